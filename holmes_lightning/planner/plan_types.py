@@ -1,0 +1,91 @@
+"""The `Plan`: what the planner decides and the runtime executes (plain data, JSON round-trip)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: its data-parallel/sharding group (ranks in dp order) and the model chunks it owns.
+
+    `chunks` are half-open layer ranges [start, stop) into the profile's layer list; one chunk for GPipe/1F1B,
+    several for interleaved schedules (chunk j of stage s is virtual stage s + j * pp).
+    """
+
+    index: int
+    ranks: tuple[int, ...]
+    chunks: tuple[tuple[int, int], ...]
+    cluster: str
+    nic: str
+    dp_link: str = "intra_node"
+    dp_gbps: float = 0.0
+
+    @property
+    def layers(self) -> list[int]:
+        return [i for start, stop in self.chunks for i in range(start, stop)]
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """Predicted seconds per optimizer step and where they go."""
+
+    total_s: float
+    compute_s: float
+    dp_sync_s: float
+    p2p_s: float
+    bubble_s: float
+    tokens_per_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    layout: str
+    schedule: str
+    stages: tuple[StagePlan, ...]
+    microbatches: int
+    microbatch_size: int
+    prediction: StepPrediction
+    num_layers: int
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def pp(self) -> int:
+        return len(self.stages)
+
+    @property
+    def dp(self) -> int:
+        return len(self.stages[0].ranks)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp
+
+    @property
+    def global_batch(self) -> int:
+        return self.microbatches * self.microbatch_size * self.dp
+
+    def mesh_layout(self) -> list[list[int]]:
+        """Ranks as a (pp, dp) grid, row s = stage s's DP group: the layout of the ("pp", "dp") DeviceMesh."""
+        return [list(stage.ranks) for stage in self.stages]
+
+    def coordinate(self, rank: int) -> tuple[int, int]:
+        """(stage index, dp index) of a global rank."""
+        for stage in self.stages:
+            if rank in stage.ranks:
+                return stage.index, stage.ranks.index(rank)
+        raise KeyError(f"rank {rank} is not in this plan ({self.world_size} ranks)")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        data = json.loads(text)
+        stages = tuple(
+            StagePlan(**{**s, "ranks": tuple(s["ranks"]), "chunks": tuple(tuple(c) for c in s["chunks"])})
+            for s in data.pop("stages")
+        )
+        prediction = StepPrediction(**data.pop("prediction"))
+        return cls(stages=stages, prediction=prediction, notes=tuple(data.pop("notes", ())), **data)

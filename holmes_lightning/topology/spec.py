@@ -1,0 +1,58 @@
+"""Structured cluster configs: the schema of `conf/cluster/*.yaml` (a misspelled key or a wrong type is an error)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class NICKind(str, Enum):
+    """The fabric a node's network card speaks."""
+
+    INFINIBAND = "infiniband"
+    ROCE = "roce"
+    ETHERNET = "ethernet"
+
+    @property
+    def is_rdma(self) -> bool:
+        return self is not NICKind.ETHERNET
+
+
+@dataclass
+class NICSpec:
+    """A node's NIC: its kind (None = detect from sysfs, Ethernet if none found) and per-port bandwidth."""
+
+    kind: str | None = "ethernet"
+    gbps: float = 100.0
+
+
+@dataclass
+class LinkSpec:
+    """A link that is not a node's own fabric: intra-node (NVLink/PCIe) or between clusters (Ethernet/TCP)."""
+
+    gbps: float = 100.0
+
+
+@dataclass
+class ClusterGroupSpec:
+    """One cluster: nodes of one NIC kind. `devices_per_node` / `device_tflops` default to the top-level values."""
+
+    name: str = "???"
+    nodes: int = 1
+    nic: NICSpec = field(default_factory=NICSpec)
+    devices_per_node: int | None = None
+    device_tflops: float | None = None
+    hostnames: list[str] | None = None
+
+
+@dataclass
+class ClusterSpec:
+    """A whole job's hardware: clusters, their NICs, and the links between and inside nodes."""
+
+    name: str = "cluster"
+    clusters: list[ClusterGroupSpec] = field(default_factory=list)
+    devices_per_node: int = 1
+    device_tflops: float = 312.0
+    intra_node: LinkSpec = field(default_factory=lambda: LinkSpec(gbps=2400.0))
+    inter_cluster: LinkSpec = field(default_factory=lambda: LinkSpec(gbps=100.0))
+    measured: str | None = None

@@ -1,0 +1,274 @@
+"""`Topology`: which rank sits on which node, cluster and NIC, and how fast any two ranks can talk."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from holmes_lightning.topology.spec import ClusterGroupSpec, ClusterSpec, NICKind
+
+
+class TopologyError(ValueError):
+    """A cluster config that cannot describe real hardware; the message names the field and the fix."""
+
+
+class LinkKind(str, Enum):
+    """How two ranks reach each other."""
+
+    INTRA_NODE = "intra_node"
+    RDMA = "rdma"
+    TCP = "tcp"
+
+
+@dataclass(frozen=True)
+class Link:
+    kind: LinkKind
+    gbps: float
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.gbps * 1e9 / 8
+
+
+@dataclass(frozen=True)
+class Node:
+    index: int
+    name: str
+    cluster: str
+    nic: NICKind
+    nic_gbps: float
+    device_tflops: float
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    node: int
+    local_device: int
+    cluster: str
+    nic: NICKind
+
+
+@dataclass(frozen=True)
+class NICGroup:
+    """Ranks that share one cluster and one NIC kind: the only ranks a DP/sharding group may mix."""
+
+    cluster: str
+    nic: NICKind
+    gbps: float
+    ranks: tuple[int, ...]
+
+
+def config_dir() -> Path:
+    """The shipped Hydra config directory (`conf/` of the source tree, or the installed copy)."""
+    for candidate in (Path(__file__).resolve().parents[2] / "conf", Path(__file__).resolve().parents[1] / "conf"):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError("holmes_lightning: shipped conf/ directory not found; install with `pip install -e .`")
+
+
+def shipped_cluster_names() -> list[str]:
+    return sorted(p.stem for p in (config_dir() / "cluster").glob("*.yaml"))
+
+
+def load_cluster_spec(source: str | Path | Mapping | DictConfig | ClusterSpec) -> ClusterSpec:
+    """Validate a cluster config against the schema: a shipped name, a YAML path, a dict/DictConfig or a ClusterSpec."""
+    if isinstance(source, ClusterSpec):
+        return source
+    if isinstance(source, str | Path) and not Path(source).suffix:
+        path = config_dir() / "cluster" / f"{source}.yaml"
+        if not path.exists():
+            raise TopologyError(f"cluster={source!r}: no such config; shipped: {', '.join(shipped_cluster_names())}")
+        source = path
+    if isinstance(source, str | Path):
+        if not Path(source).exists():
+            raise TopologyError(f"cluster={str(source)!r}: file not found")
+        raw = OmegaConf.load(source)
+    else:
+        raw = OmegaConf.create(source if isinstance(source, DictConfig) else dict(source))
+    if "defaults" in raw:
+        raw.pop("defaults")
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(ClusterSpec), raw)
+    except Exception as err:  # omegaconf raises several types; all mean "this key or value is wrong"
+        first_line = str(err).splitlines()[0]
+        raise TopologyError(f"cluster config: {first_line} (see conf/cluster/*.yaml for the schema)") from err
+    return OmegaConf.to_object(merged)
+
+
+class Topology:
+    """The hardware of one job, ranks numbered node-major in config order (as launchers number them)."""
+
+    def __init__(self, spec: ClusterSpec, measured: Mapping[str, float] | None = None):
+        _validate(spec)
+        self.spec = spec
+        self.name = spec.name
+        self.measured: dict[str, float] = dict(measured or {})
+        nodes: list[Node] = []
+        ranks: list[RankInfo] = []
+        for group in spec.clusters:
+            devices = _devices_per_node(spec, group)
+            for i in range(group.nodes):
+                index = len(nodes)
+                node_ranks = tuple(range(len(ranks), len(ranks) + devices))
+                name = group.hostnames[i] if group.hostnames else f"{group.name}-node{i}"
+                nic = NICKind(group.nic.kind)
+                tflops = group.device_tflops or spec.device_tflops
+                nodes.append(Node(index, name, group.name, nic, group.nic.gbps, tflops, node_ranks))
+                ranks.extend(RankInfo(r, index, r - node_ranks[0], group.name, nic) for r in node_ranks)
+        self.nodes: tuple[Node, ...] = tuple(nodes)
+        self.ranks: tuple[RankInfo, ...] = tuple(ranks)
+
+    @classmethod
+    def from_config(cls, source: str | Path | Mapping | DictConfig | ClusterSpec, **overrides: Any) -> Topology:
+        """Build from a shipped config name, a YAML path, a dict/DictConfig or a ClusterSpec; overrides patch keys."""
+        spec = load_cluster_spec(source)
+        if overrides:
+            spec = load_cluster_spec(OmegaConf.merge(OmegaConf.structured(spec), overrides))
+        measured = _load_measured(spec.measured) if spec.measured else None
+        return cls(spec, measured)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def node_of(self, rank: int) -> Node:
+        return self.nodes[self.ranks[rank].node]
+
+    def device_tflops(self, rank: int) -> float:
+        return self.node_of(rank).device_tflops
+
+    def link(self, a: int, b: int) -> Link:
+        """The link two ranks communicate over, with its bandwidth (measured where a probe gave one)."""
+        node_a, node_b = self.node_of(a), self.node_of(b)
+        if node_a.index == node_b.index:
+            return Link(LinkKind.INTRA_NODE, self.measured.get("intra_node", self.spec.intra_node.gbps))
+        fabric = min(node_a.nic_gbps, node_b.nic_gbps)
+        if node_a.cluster == node_b.cluster:  # one cluster has one NIC kind: its own fabric
+            kind = LinkKind.RDMA if node_a.nic.is_rdma else LinkKind.TCP
+            return Link(kind, self.measured.get(f"{kind.value}:{node_a.cluster}", fabric))
+        return Link(LinkKind.TCP, self.measured.get("inter_cluster", min(fabric, self.spec.inter_cluster.gbps)))
+
+    def slowest_link(self, ranks: tuple[int, ...] | list[int]) -> Link:
+        """The bottleneck link of a collective over these ranks (a ring is as fast as its slowest hop)."""
+        ranks = list(ranks)
+        if len(ranks) < 2:
+            return Link(LinkKind.INTRA_NODE, self.spec.intra_node.gbps)
+        return min((self.link(a, b) for i, a in enumerate(ranks) for b in ranks[i + 1 :]), key=lambda link: link.gbps)
+
+    def nic_groups(self) -> tuple[NICGroup, ...]:
+        """Ranks grouped by (cluster, NIC kind), in config order."""
+        groups: dict[tuple[str, NICKind], list[int]] = {}
+        gbps: dict[tuple[str, NICKind], float] = {}
+        for node in self.nodes:
+            key = (node.cluster, node.nic)
+            groups.setdefault(key, []).extend(node.ranks)
+            gbps[key] = min(gbps.get(key, node.nic_gbps), node.nic_gbps)
+        return tuple(NICGroup(c, k, gbps[(c, k)], tuple(r)) for (c, k), r in groups.items())
+
+    def check_world_size(self, world_size: int) -> None:
+        if world_size != self.world_size:
+            per_node = sorted({len(n.ranks) for n in self.nodes})
+            raise TopologyError(
+                f"world size {world_size} from the launcher does not match cluster {self.name!r}, which has "
+                f"{len(self.nodes)} nodes x {per_node} devices = {self.world_size} ranks; fix cluster.devices_per_node "
+                f"or the clusters' `nodes`, or launch {self.world_size} processes"
+            )
+
+    def to_dict(self) -> dict:
+        return {"spec": asdict(self.spec), "measured": self.measured}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> Topology:
+        return cls(load_cluster_spec(data["spec"]), data.get("measured"))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Topology) and self.to_dict() == other.to_dict()
+
+    def __repr__(self) -> str:
+        return f"Topology({self.name!r}, world_size={self.world_size}, nodes={len(self.nodes)})"
+
+    def __str__(self) -> str:
+        lines = [f"Topology {self.name!r}: {self.world_size} ranks on {len(self.nodes)} nodes"]
+        lines.append(f"  {'node':<16}{'cluster':<10}{'nic':<12}{'Gb/s':>7}{'TFLOPS':>8}  ranks")
+        for node in self.nodes:
+            ranks = ",".join(map(str, node.ranks))
+            lines.append(
+                f"  {node.name:<16}{node.cluster:<10}{node.nic.value:<12}{node.nic_gbps:>7g}"
+                f"{node.device_tflops:>8g}  {ranks}"
+            )
+        lines.append("  NIC groups (DP/sharding groups stay inside one):")
+        for group in self.nic_groups():
+            lines.append(f"    {group.cluster}/{group.nic.value}: ranks {list(group.ranks)} at {group.gbps:g} Gb/s")
+        lines.append("  links:")
+        for kind, gbps, example in self._link_classes():
+            lines.append(f"    {kind:<11} {gbps:>8g} Gb/s   e.g. ranks {example[0]}<->{example[1]}")
+        return "\n".join(lines)
+
+    def _link_classes(self) -> list[tuple[str, float, tuple[int, int]]]:
+        seen: dict[tuple[str, float], tuple[int, int]] = {}
+        for a in range(self.world_size):
+            for b in range(a + 1, self.world_size):
+                link = self.link(a, b)
+                seen.setdefault((link.kind.value, link.gbps), (a, b))
+        return [(kind, gbps, pair) for (kind, gbps), pair in seen.items()]
+
+
+def _devices_per_node(spec: ClusterSpec, group: ClusterGroupSpec) -> int:
+    return group.devices_per_node if group.devices_per_node is not None else spec.devices_per_node
+
+
+def _positive(value: float | int | None, field_name: str, fix: str) -> None:
+    if value is None or isinstance(value, bool) or value <= 0:
+        raise TopologyError(f"{field_name}={value!r}: must be > 0; {fix}")
+
+
+def _validate(spec: ClusterSpec) -> None:
+    kinds = ", ".join(k.value for k in NICKind)
+    if not spec.clusters:
+        raise TopologyError(f"cluster {spec.name!r}: `clusters` is empty; list at least one cluster with nodes, nic")
+    _positive(spec.devices_per_node, "cluster.devices_per_node", "set the GPUs per node, e.g. 8")
+    _positive(spec.device_tflops, "cluster.device_tflops", "set the device's dense peak, e.g. 312 for A100 bf16")
+    _positive(spec.intra_node.gbps, "cluster.intra_node.gbps", "set the NVLink/PCIe speed, e.g. 2400")
+    _positive(spec.inter_cluster.gbps, "cluster.inter_cluster.gbps", "set the Ethernet speed between clusters")
+    names = [c.name for c in spec.clusters]
+    for i, group in enumerate(spec.clusters):
+        where = f"cluster.clusters[{i}]"
+        if not group.name or group.name == "???":
+            raise TopologyError(f"{where}.name is missing; give each cluster a unique name")
+        if names.count(group.name) > 1:
+            raise TopologyError(f"{where}.name={group.name!r} is used twice; cluster names must be unique")
+        if group.nic.kind is None:
+            raise TopologyError(f"{where}.nic.kind is unset; detect it with detect_node_nic() or set one of: {kinds}")
+        if group.nic.kind not in {k.value for k in NICKind}:
+            raise TopologyError(f"{where}.nic.kind={group.nic.kind!r} is not a NIC kind; use one of: {kinds}")
+        _positive(group.nodes, f"{where}.nodes", "a cluster needs at least one node")
+        _positive(group.nic.gbps, f"{where}.nic.gbps", "set the NIC's port speed, e.g. 200")
+        _positive(_devices_per_node(spec, group), f"{where}.devices_per_node", "set the GPUs per node, e.g. 8")
+        if group.device_tflops is not None:
+            _positive(group.device_tflops, f"{where}.device_tflops", "set the device's peak TFLOPS or remove it")
+        if group.hostnames is not None and len(group.hostnames) != group.nodes:
+            raise TopologyError(
+                f"{where}.hostnames has {len(group.hostnames)} names for {group.nodes} nodes; give one per node"
+            )
+    hostnames = [h for c in spec.clusters for h in (c.hostnames or [])]
+    duplicates = sorted({h for h in hostnames if hostnames.count(h) > 1})
+    if duplicates:
+        raise TopologyError(f"cluster.clusters[*].hostnames: {duplicates} appear twice; each node needs its own name")
+
+
+def _load_measured(path: str) -> dict[str, float]:
+    """Bandwidths measured by `holmes_lightning.lab.probe` (JSON: link class -> Gb/s) replace the configured ones."""
+    file = Path(path)
+    if not file.exists():
+        raise TopologyError(f"cluster.measured={path!r}: file not found; write it with holmes_lightning.lab.probe")
+    data = json.loads(file.read_text())
+    links = data.get("links", data)
+    return {str(k): float(v) for k, v in links.items()}
