@@ -1,0 +1,122 @@
+"""Start one process per rank of a Topology on this machine, numbered as torchrun numbers a multi-node job.
+
+Each child sees torchrun's variables (RANK, LOCAL_RANK, GROUP_RANK, ...), so Lightning's TorchElasticEnvironment
+picks it up exactly as on a real cluster. The lab passes a per-node command prefix (`ip netns exec NS`) and extra
+variables. If any rank fails, the others are stopped and the launcher exits non-zero; SIGTERM/SIGINT are forwarded
+so ranks can checkpoint before they exit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from holmes_lightning.topology import Topology
+
+LAUNCHED_ENV = "HOLMES_LAUNCHED"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def rank_env(topology: Topology, rank: int, master_addr: str, master_port: int) -> dict[str, str]:
+    """torchrun's variables for one rank of the topology."""
+    info = topology.ranks[rank]
+    node = topology.nodes[info.node]
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(info.local_device),
+        "GROUP_RANK": str(info.node),
+        "NODE_RANK": str(info.node),
+        "WORLD_SIZE": str(topology.world_size),
+        "LOCAL_WORLD_SIZE": str(len(node.ranks)),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "TORCHELASTIC_RUN_ID": f"holmes-{master_port}",
+        LAUNCHED_ENV: "1",
+    }
+
+
+@dataclass
+class RankProcess:
+    rank: int
+    node: int
+    popen: subprocess.Popen
+
+
+def launch(
+    command: Sequence[str],
+    topology: Topology,
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+    node_prefix: Callable[[int], list[str]] | None = None,
+    node_env: Callable[[int], dict[str, str]] | None = None,
+    grace_s: float = 15.0,
+) -> int:
+    """Run `command` once per rank and wait; returns 0, or the exit code of the first rank that failed."""
+    port = master_port or free_port()
+    procs: list[RankProcess] = []
+    for rank in range(topology.world_size):
+        node = topology.ranks[rank].node
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        env.update(rank_env(topology, rank, master_addr, port))
+        env.update(node_env(node) if node_env else {})
+        argv = [*(node_prefix(node) if node_prefix else []), *command]
+        procs.append(RankProcess(rank, node, subprocess.Popen(argv, env=env)))
+    return _supervise(procs, topology, grace_s)
+
+
+def _supervise(procs: list[RankProcess], topology: Topology, grace_s: float) -> int:
+    stopping: list[int] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        stopping.append(signum)
+        for proc in procs:
+            if proc.popen.poll() is None:
+                proc.popen.send_signal(signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while True:
+            codes = [proc.popen.poll() for proc in procs]
+            failed = next((p for p, c in zip(procs, codes, strict=True) if c not in (None, 0)), None)
+            if failed is not None and not stopping:
+                node = topology.nodes[failed.node].name
+                print(
+                    f"holmes: rank {failed.rank} on node {node} exited with code {failed.popen.returncode}; "
+                    f"stopping the other ranks",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                _stop(procs, grace_s)
+                return failed.popen.returncode if failed.popen.returncode > 0 else 128 - failed.popen.returncode
+            if all(c is not None for c in codes):
+                return next((c for c in codes if c != 0), 0)
+            time.sleep(0.2)
+    finally:
+        _stop(procs, grace_s)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _stop(procs: list[RankProcess], grace_s: float) -> None:
+    """SIGTERM the ranks still running, then SIGKILL whatever outlives the grace period."""
+    alive = [p.popen for p in procs if p.popen.poll() is None]
+    for popen in alive:
+        popen.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for popen in alive:
+        try:
+            popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            popen.kill()
+            popen.wait()
