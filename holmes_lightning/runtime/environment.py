@@ -18,6 +18,7 @@ from holmes_lightning.topology import ClusterSpec, NICKind, Topology, TopologyEr
 from holmes_lightning.topology.detect import SYSFS_INFINIBAND, detect_node_nic, reconcile
 
 NODE_ADDRESS_ENV = "HOLMES_NODE_ADDRESS"
+FABRIC_ADDRESS_ENV = "HOLMES_FABRIC_ADDRESS"
 
 
 @dataclass(frozen=True)
@@ -125,8 +126,13 @@ class NICGroupingEnvironment(ClusterEnvironment):
 
     @property
     def node_address(self) -> str | None:
-        """The address this node's traffic should leave from (set by the lab, or by hand on multi-homed hosts)."""
+        """This node's Ethernet/TCP address (set by the lab, or by hand on multi-homed hosts); None: the default."""
         return os.environ.get(NODE_ADDRESS_ENV)
+
+    @property
+    def fabric_address(self) -> str | None:
+        """This node's address on its RDMA fabric, for groups inside one fabric; None: same as `node_address`."""
+        return os.environ.get(FABRIC_ADDRESS_ENV) or self.node_address
 
     @property
     def creates_processes_externally(self) -> bool:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from holmes_lightning.topology.spec import ClusterGroupSpec, ClusterSpec, NICKind
+from holmes_lightning.topology.spec import ClusterGroupSpec, ClusterSpec, LinkSpec, NICKind
 
 
 class TopologyError(ValueError):
@@ -145,23 +145,30 @@ class Topology:
     def device_tflops(self, rank: int) -> float:
         return self.node_of(rank).device_tflops
 
-    def link(self, a: int, b: int) -> Link:
-        """The link two ranks communicate over, with its bandwidth (measured where a probe gave one)."""
+    def link(self, a: int, b: int, rdma: bool = True) -> Link:
+        """The link two ranks communicate over, with its bandwidth (measured where a probe gave one).
+
+        `rdma=False` is a communicator forced onto TCP sockets (NCCL's "Socket" net, as a NIC-unaware job must use
+        when IB and RoCE nodes share a communicator): then only the Ethernet network carries the traffic.
+        """
         node_a, node_b = self.node_of(a), self.node_of(b)
         if node_a.index == node_b.index:
             return Link(LinkKind.INTRA_NODE, self.measured.get("intra_node", self.spec.intra_node.gbps))
         fabric = min(node_a.nic_gbps, node_b.nic_gbps)
         if node_a.cluster == node_b.cluster:  # one cluster has one NIC kind: its own fabric
-            kind = LinkKind.RDMA if node_a.nic.is_rdma else LinkKind.TCP
-            return Link(kind, self.measured.get(f"{kind.value}:{node_a.cluster}", fabric))
+            if node_a.nic.is_rdma and rdma:
+                return Link(LinkKind.RDMA, self.measured.get(f"rdma:{node_a.cluster}", fabric))
+            if not node_a.nic.is_rdma:
+                return Link(LinkKind.TCP, self.measured.get(f"tcp:{node_a.cluster}", fabric))
         return Link(LinkKind.TCP, self.measured.get("inter_cluster", min(fabric, self.spec.inter_cluster.gbps)))
 
-    def slowest_link(self, ranks: tuple[int, ...] | list[int]) -> Link:
+    def slowest_link(self, ranks: tuple[int, ...] | list[int], rdma: bool = True) -> Link:
         """The bottleneck link of a collective over these ranks (a ring is as fast as its slowest hop)."""
         ranks = list(ranks)
         if len(ranks) < 2:
             return Link(LinkKind.INTRA_NODE, self.spec.intra_node.gbps)
-        return min((self.link(a, b) for i, a in enumerate(ranks) for b in ranks[i + 1 :]), key=lambda link: link.gbps)
+        pairs = (self.link(a, b, rdma) for i, a in enumerate(ranks) for b in ranks[i + 1 :])
+        return min(pairs, key=lambda link: link.gbps)
 
     def nic_groups(self) -> tuple[NICGroup, ...]:
         """Ranks grouped by (cluster, NIC kind), in config order."""
@@ -181,6 +188,14 @@ class Topology:
                 f"{len(self.nodes)} nodes x {per_node} devices = {self.world_size} ranks; fix cluster.devices_per_node "
                 f"or the clusters' `nodes`, or launch {self.world_size} processes"
             )
+
+    def homogeneous(self) -> Topology:
+        """The same machines with every inter-node link at the fastest NIC's speed: the limit Holmes approaches."""
+        fastest = max(node.nic_gbps for node in self.nodes)
+        best_kind = max(self.nodes, key=lambda node: (node.nic.is_rdma, node.nic_gbps)).nic.value
+        groups = [replace(g, nic=replace(g.nic, kind=best_kind, gbps=fastest)) for g in self.spec.clusters]
+        spec = replace(self.spec, name=f"{self.name}_homogeneous", clusters=groups, inter_cluster=LinkSpec(fastest))
+        return Topology(spec)
 
     def to_dict(self) -> dict:
         return {"spec": asdict(self.spec), "measured": self.measured}
