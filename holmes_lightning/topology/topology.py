@@ -98,8 +98,9 @@ def load_cluster_spec(source: str | Path | Mapping | DictConfig | ClusterSpec) -
     try:
         merged = OmegaConf.merge(OmegaConf.structured(ClusterSpec), raw)
     except Exception as err:  # omegaconf raises several types; all mean "this key or value is wrong"
+        key = getattr(err, "full_key", "") or "?"
         first_line = str(err).splitlines()[0]
-        raise TopologyError(f"cluster config: {first_line} (see conf/cluster/*.yaml for the schema)") from err
+        raise TopologyError(f"cluster.{key}: {first_line} (see conf/cluster/*.yaml for the schema)") from err
     return OmegaConf.to_object(merged)
 
 
