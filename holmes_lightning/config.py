@@ -10,6 +10,15 @@ from hydra.core.config_store import ConfigStore
 from holmes_lightning.topology.spec import ClusterSpec
 
 
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the field, the value and the fix."""
+
+
+def _require(ok: bool, field_name: str, value: object, fix: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field_name}={value!r}: {fix}")
+
+
 @dataclass
 class ModelConfig:
     """A GPT shape (byte-level vocabulary by default, so nothing is downloaded)."""
@@ -22,12 +31,33 @@ class ModelConfig:
     vocab_size: int = 256
     dropout: float = 0.0
 
+    def __post_init__(self) -> None:
+        for name in ("n_layers", "d_model", "n_heads", "seq_len"):
+            _require(getattr(self, name) > 0, f"model.{name}", getattr(self, name), "must be > 0")
+        _require(self.vocab_size >= 256, "model.vocab_size", self.vocab_size, "byte-level tokens need at least 256")
+        _require(
+            self.d_model % self.n_heads == 0,
+            "model.d_model",
+            self.d_model,
+            f"must be a multiple of model.n_heads={self.n_heads}",
+        )
+        _require(0 <= self.dropout < 1, "model.dropout", self.dropout, "must be in [0, 1)")
+
 
 @dataclass
 class DataConfig:
+    """The byte-level corpus: a fixed slice of the Python standard library's sources, split into train and val."""
+
     global_batch: int = 16
     num_workers: int = 0
     val_fraction: float = 0.05
+    corpus_bytes: int = 2_000_000
+
+    def __post_init__(self) -> None:
+        _require(self.global_batch > 0, "data.global_batch", self.global_batch, "must be > 0 (sequences per step)")
+        _require(self.num_workers >= 0, "data.num_workers", self.num_workers, "must be >= 0")
+        _require(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "must be in (0, 1), e.g. 0.05")
+        _require(self.corpus_bytes > 0, "data.corpus_bytes", self.corpus_bytes, "must be > 0, e.g. 2000000")
 
 
 @dataclass
@@ -43,6 +73,8 @@ class StrategyConfig:
 
 @dataclass
 class TrainerConfig:
+    """Lightning Trainer settings plus the optimizer's (AdamW, linear warmup then cosine decay)."""
+
     accelerator: str = "cpu"
     max_steps: int = 30
     precision: str = "32-true"
@@ -50,7 +82,32 @@ class TrainerConfig:
     accumulate_grad_batches: int = 1
     log_every_n_steps: int = 5
     val_check_interval: int | None = None
+    limit_val_batches: int = 4
     learning_rate: float = 3e-3
+    warmup_steps: int = 5
+    weight_decay: float = 0.1
+
+    def __post_init__(self) -> None:
+        accelerators = ("cpu", "gpu", "cuda", "auto")
+        _require(
+            self.accelerator in accelerators, "trainer.accelerator", self.accelerator, f"use one of {accelerators}"
+        )
+        precisions = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")  # Lightning's
+        _require(self.precision in precisions, "trainer.precision", self.precision, f"use one of {precisions}")
+        for name in ("max_steps", "accumulate_grad_batches", "log_every_n_steps", "learning_rate"):
+            _require(getattr(self, name) > 0, f"trainer.{name}", getattr(self, name), "must be > 0")
+        for name in ("limit_val_batches", "warmup_steps", "weight_decay"):
+            _require(getattr(self, name) >= 0, f"trainer.{name}", getattr(self, name), "must be >= 0")
+        clip = self.gradient_clip_val
+        _require(clip is None or clip > 0, "trainer.gradient_clip_val", clip, "must be > 0, or null for no clipping")
+        interval = self.val_check_interval
+        _require(interval is None or interval > 0, "trainer.val_check_interval", interval, "must be > 0, or null")
+        _require(
+            self.warmup_steps < self.max_steps,
+            "trainer.warmup_steps",
+            self.warmup_steps,
+            f"must be below trainer.max_steps={self.max_steps}",
+        )
 
 
 @dataclass
