@@ -11,7 +11,10 @@ class StagePlan:
     """One pipeline stage: its data-parallel/sharding group (ranks in dp order) and the model chunks it owns.
 
     `chunks` are half-open layer ranges [start, stop) into the profile's layer list; one chunk for GPipe/1F1B,
-    several for interleaved schedules (chunk j of stage s is virtual stage s + j * pp).
+    several for interleaved schedules (chunk j of stage s is virtual stage s + j * pp). Per chunk and micro-batch:
+    `forward_s`/`backward_s` compute seconds and `send_s` the transfer of its output to the next virtual stage over
+    `send_link` (0 for the last). `sync_s` is the stage's DP gradient sync per step over `dp_link`, `exposed_sync_s`
+    the part backward does not hide; `memory_gb` the estimated peak per device.
     """
 
     index: int
@@ -21,6 +24,15 @@ class StagePlan:
     nic: str
     dp_link: str = "intra_node"
     dp_gbps: float = 0.0
+    device_tflops: float = 0.0
+    forward_s: tuple[float, ...] = ()
+    backward_s: tuple[float, ...] = ()
+    send_s: tuple[float, ...] = ()
+    send_link: str = ""
+    send_gbps: float = 0.0
+    sync_s: float = 0.0
+    exposed_sync_s: float = 0.0
+    memory_gb: float = 0.0
 
     @property
     def layers(self) -> list[int]:
@@ -29,7 +41,11 @@ class StagePlan:
 
 @dataclass(frozen=True)
 class StepPrediction:
-    """Predicted seconds per optimizer step and where they go."""
+    """Predicted seconds per optimizer step and where they go, for the stage that finishes last.
+
+    compute + dp_sync + p2p + bubble = total: `p2p_s` is what transfers add to the step, `bubble_s` the rest of
+    that stage's idle time. `tflops_per_device` counts model FLOPs (forward + backward, no recomputation).
+    """
 
     total_s: float
     compute_s: float
@@ -37,10 +53,14 @@ class StepPrediction:
     p2p_s: float
     bubble_s: float
     tokens_per_s: float = 0.0
+    tflops_per_device: float = 0.0
+    memory_gb: float = 0.0
 
 
 @dataclass(frozen=True)
 class Plan:
+    """A rank layout, a partition and a schedule, with the step time the cost model predicts for them."""
+
     layout: str
     schedule: str
     stages: tuple[StagePlan, ...]
@@ -49,6 +69,9 @@ class Plan:
     prediction: StepPrediction
     num_layers: int
     notes: tuple[str, ...] = field(default_factory=tuple)
+    partition: str = "auto"
+    sharding: str = "fsdp"
+    tokens_per_sample: int = 0
 
     @property
     def pp(self) -> int:
@@ -83,9 +106,18 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> Plan:
         data = json.loads(text)
-        stages = tuple(
-            StagePlan(**{**s, "ranks": tuple(s["ranks"]), "chunks": tuple(tuple(c) for c in s["chunks"])})
-            for s in data.pop("stages")
-        )
+        stages = tuple(StagePlan(**{key: _tuples(value) for key, value in s.items()}) for s in data.pop("stages"))
         prediction = StepPrediction(**data.pop("prediction"))
         return cls(stages=stages, prediction=prediction, notes=tuple(data.pop("notes", ())), **data)
+
+    def layers_per_stage(self) -> list[int]:
+        return [len(stage.layers) for stage in self.stages]
+
+    def speedup_over(self, other: Plan) -> float:
+        """How many times faster this plan's predicted step is than `other`'s."""
+        return other.prediction.total_s / self.prediction.total_s
+
+
+def _tuples(value: object) -> object:
+    """JSON lists back to the tuples the dataclasses hold (nested for `chunks`)."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value

@@ -1,0 +1,59 @@
+"""The cost model: compute seconds per layer on a device, DP sync and p2p seconds over a link, memory per device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from holmes_lightning.planner.profile import ModelProfile
+from holmes_lightning.topology import Link, Topology
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds and bytes of one plan's pieces.
+
+    - Compute: FLOPs / (device peak TFLOPS x `efficiency`), or measured seconds scaled by the device's speed relative
+      to the device they were measured on.
+    - DP sync per step: ring reduce-scatter + all-gather (FSDP) or all-reduce (DDP) of the stage's gradient bytes,
+      2 (n-1)/n x bytes over the group's slowest link. `dp_overlap` is the fraction of it that runs under backward;
+      it can hide at most the stage's own backward time.
+    - Memory per device: parameters x `state_multiplier` (weights + grads + optimizer states per parameter byte;
+      4 for fp32 Adam), of which FSDP shards all but the unsharded weights over the DP group, plus the activation
+      stash of the micro-batches in flight.
+    """
+
+    topology: Topology
+    profile: ModelProfile
+    efficiency: float = 0.5
+    dp_overlap: float = 0.5
+    sharding: str = "fsdp"
+    state_multiplier: float = 4.0
+    rdma: bool = True
+
+    def layer_seconds(self, device_tflops: float) -> tuple[list[float], list[float]]:
+        """Forward and backward seconds per sample of every layer on a device of this peak speed."""
+        layers = self.profile.layers
+        if all(layer.measured for layer in layers):
+            reference = self.profile.measured_tflops or max(n.device_tflops for n in self.topology.nodes)
+            scale = reference / device_tflops
+            return [layer.forward_s * scale for layer in layers], [layer.backward_s * scale for layer in layers]
+        flops_per_s = device_tflops * 1e12 * self.efficiency
+        return [la.forward_flops / flops_per_s for la in layers], [la.backward_flops / flops_per_s for la in layers]
+
+    def dp_link(self, ranks: tuple[int, ...]) -> Link:
+        return self.topology.slowest_link(ranks, rdma=self.rdma)
+
+    def dp_sync_s(self, group_size: int, link: Link, param_bytes: float) -> float:
+        """Ring sync of `param_bytes` over a group of this size whose slowest link is `link`."""
+        return 2 * (group_size - 1) / group_size * param_bytes / link.bytes_per_s
+
+    def exposed_sync_s(self, sync_s: float, backward_s: float) -> float:
+        """The part of the DP sync backward does not hide (`backward_s`: the stage's backward seconds per step)."""
+        return max(sync_s * (1 - self.dp_overlap), sync_s - backward_s)
+
+    def memory_bytes(self, param_bytes: float, dp: int, stash_bytes: float) -> float:
+        if self.sharding == "fsdp":
+            states = param_bytes * (1 + (self.state_multiplier - 1) / dp)
+        else:
+            states = param_bytes * self.state_multiplier
+        return states + stash_bytes

@@ -1,0 +1,77 @@
+"""Measure pipeline layers on one micro-batch: FLOPs with FlopCounterMode, bytes from tensors, optional timing."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from holmes_lightning.planner.profile import LayerProfile
+
+
+def measure_layers(
+    modules: list[nn.Module], sample: torch.Tensor, time_repeats: int = 0
+) -> tuple[list[LayerProfile], int]:
+    """Per-sample profiles of `modules` applied in order to `sample` (batch first), and the tokens per sample."""
+    if not modules:
+        raise ValueError("from_modules: the module list is empty; pass the model's pipeline_layers()")
+    batch = sample.shape[0]
+    tokens = sample[0].numel()
+    layers = []
+    x = sample
+    for index, module in enumerate(modules):
+        inputs = x.detach().requires_grad_(True) if x.is_floating_point() else x
+        forward_flops, backward_flops, stash, out = _count(module, inputs)
+        seconds = _time(module, inputs, time_repeats) if time_repeats > 0 else (None, None)
+        param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+        layers.append(
+            LayerProfile(
+                name=f"{index}:{type(module).__name__}",
+                forward_flops=forward_flops / batch,
+                backward_flops=backward_flops / batch,
+                param_bytes=float(param_bytes),
+                activation_bytes=out.numel() * out.element_size() / batch,
+                stash_bytes=stash / batch,
+                forward_s=None if seconds[0] is None else seconds[0] / batch,
+                backward_s=None if seconds[1] is None else seconds[1] / batch,
+            )
+        )
+        x = out.detach()
+    return layers, tokens
+
+
+def _count(module: nn.Module, inputs: torch.Tensor) -> tuple[float, float, float, torch.Tensor]:
+    """Forward FLOPs, backward FLOPs, bytes autograd saves for backward (parameters excluded), and the output."""
+    param_ptrs = {p.data_ptr() for p in module.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.data_ptr() not in param_ptrs:
+            saved[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+        return tensor
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    with torch.enable_grad(), hooks, FlopCounterMode(display=False) as forward_counter:
+        out = module(inputs)
+    with FlopCounterMode(display=False) as backward_counter:
+        out.backward(torch.ones_like(out))
+    module.zero_grad(set_to_none=True)
+    return forward_counter.get_total_flops(), backward_counter.get_total_flops(), float(sum(saved.values())), out
+
+
+def _time(module: nn.Module, inputs: torch.Tensor, repeats: int) -> tuple[float, float]:
+    """Median forward and backward seconds over `repeats` runs."""
+    forwards, backwards = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        with torch.enable_grad():
+            out = module(inputs)
+        middle = time.perf_counter()
+        out.backward(torch.ones_like(out))
+        forwards.append(middle - start)
+        backwards.append(time.perf_counter() - middle)
+    module.zero_grad(set_to_none=True)
+    return statistics.median(forwards), statistics.median(backwards)

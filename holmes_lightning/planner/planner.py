@@ -1,0 +1,293 @@
+"""`plan()`: the Holmes scheduler. Picks degrees, a NIC-aware rank layout, a partition and micro-batches."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from holmes_lightning.planner.candidate import GB, Candidate
+from holmes_lightning.planner.cost import CostModel
+from holmes_lightning.planner.layout import Layout, dp_degrees, flat_layout, holmes_layouts, megatron_layout
+from holmes_lightning.planner.partition import StageCost, best_partition, uniform_partition
+from holmes_lightning.planner.plan_types import Plan, StagePlan
+from holmes_lightning.planner.profile import ModelProfile
+from holmes_lightning.planner.schedules import SCHEDULES, microbatch_problem
+from holmes_lightning.topology import Topology
+
+LAYOUTS = ("holmes", "nic_unaware", "flat_fsdp")
+SHARDINGS = ("fsdp", "ddp")
+
+
+class PlanError(ValueError):
+    """No plan satisfies the request; the message names the setting, its value and a fix."""
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    """Samples (sequences) per optimizer step over all DP ranks; `microbatches=None` lets the planner choose."""
+
+    global_batch: int
+    microbatches: int | None = None
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """What to plan. Field names follow `StrategyConfig` (strategy.*); the cost-model knobs are plan.* in the CLI.
+
+    partition: "auto" (minimise the predicted step), "uniform", or layers per stage (per virtual stage also
+    accepted for Interleaved1F1B). pp / dp: None = choose. layout: "holmes", "nic_unaware" (Megatron-LM rank order)
+    or "flat_fsdp". chunks_per_stage: model chunks per stage for Interleaved1F1B. efficiency: fraction of peak
+    TFLOPS layers reach. dp_overlap: fraction of DP sync hidden under backward. state_multiplier: bytes of weights,
+    grads and optimizer state per parameter byte. memory_limit_gb: per device, None = unchecked.
+    """
+
+    schedule: str = "1F1B"
+    partition: str | Sequence[int] = "auto"
+    pp: int | None = None
+    dp: int | None = None
+    layout: str = "holmes"
+    sharding: str = "fsdp"
+    chunks_per_stage: int = 2
+    efficiency: float = 0.5
+    dp_overlap: float = 0.5
+    state_multiplier: float = 4.0
+    memory_limit_gb: float | None = None
+
+    @property
+    def chunks(self) -> int:
+        return self.chunks_per_stage if self.schedule == "Interleaved1F1B" else 1
+
+
+def plan(topology: Topology, profile: ModelProfile, batch: BatchSettings, options: PlanOptions | None = None) -> Plan:
+    """The plan with the lowest predicted step time among those the options allow."""
+    options = options or PlanOptions()
+    _check_request(profile, batch, options)
+    cost = CostModel(
+        topology, profile, options.efficiency, options.dp_overlap, options.sharding, options.state_multiplier
+    )
+    best: Plan | None = None
+    problems: list[str] = []
+    for layout in _layouts(topology, options):
+        layout_cost = replace(cost, rdma=layout.rdma)
+        for microbatches in _microbatch_counts(layout, profile, batch, options, problems):
+            candidate = _plan_layout(layout, layout_cost, batch, microbatches, options, problems)
+            if candidate and (best is None or candidate.prediction.total_s < best.prediction.total_s * (1 - 1e-9)):
+                best = candidate
+    if best is None:
+        reasons = "\n  ".join(dict.fromkeys(problems)) or "no layout fits"
+        raise PlanError(f"no feasible plan for {topology.name!r} and {profile.name!r}:\n  {reasons}")
+    return best
+
+
+def compare(
+    topology: Topology, profile: ModelProfile, batch: BatchSettings, options: PlanOptions | None = None
+) -> dict[str, Plan]:
+    """Holmes' plan and the alternatives under the same cost model, keyed by name.
+
+    "uniform": Holmes' layout with equal layers per stage. "nic_unaware": Megatron-LM's rank order, uniform
+    partition, at Holmes' degrees and micro-batches (and on TCP sockets when IB and RoCE share the job).
+    "flat_fsdp": one sharding group over all ranks. "homogeneous": Holmes on the same machines with every link at
+    the fastest NIC's speed, the limit.
+    """
+    options = options or PlanOptions()
+    holmes = plan(topology, profile, batch, options)
+    same_shape = replace(options, pp=holmes.pp, dp=holmes.dp)
+    fixed_batch = replace(batch, microbatches=holmes.microbatches)
+    return {
+        "holmes": holmes,
+        "uniform": plan(topology, profile, fixed_batch, replace(same_shape, partition="uniform")),
+        "nic_unaware": plan(
+            topology, profile, fixed_batch, replace(same_shape, layout="nic_unaware", partition="uniform")
+        ),
+        "flat_fsdp": plan(
+            topology, profile, batch, replace(options, layout="flat_fsdp", partition="auto", pp=None, dp=None)
+        ),
+        "homogeneous": plan(topology.homogeneous(), profile, batch, options),
+    }
+
+
+def _check_request(profile: ModelProfile, batch: BatchSettings, options: PlanOptions) -> None:
+    """Settings that are wrong whatever the hardware."""
+    checks = [
+        (options.schedule in SCHEDULES, "strategy.schedule", options.schedule, f"use one of {', '.join(SCHEDULES)}"),
+        (options.layout in LAYOUTS, "layout", options.layout, f"use one of {', '.join(LAYOUTS)}"),
+        (options.sharding in SHARDINGS, "strategy.sharding", options.sharding, "use fsdp or ddp"),
+        (batch.global_batch > 0, "data.global_batch", batch.global_batch, "use a positive number of samples"),
+        (batch.microbatches is None or batch.microbatches > 0, "strategy.microbatches", batch.microbatches, "use > 0"),
+        (options.pp is None or options.pp > 0, "strategy.pp", options.pp, "use a positive stage count or null"),
+        (options.dp is None or options.dp > 0, "strategy.dp", options.dp, "use a positive DP size or null"),
+        (options.chunks_per_stage >= 1, "plan.chunks_per_stage", options.chunks_per_stage, "use >= 2 to interleave"),
+        (0 < options.efficiency <= 1, "plan.efficiency", options.efficiency, "use a fraction of peak in (0, 1]"),
+        (0 <= options.dp_overlap <= 1, "plan.dp_overlap", options.dp_overlap, "use a fraction in [0, 1]"),
+        (options.state_multiplier >= 1, "plan.state_multiplier", options.state_multiplier, "use >= 1 (4: fp32 Adam)"),
+        (
+            options.memory_limit_gb is None or options.memory_limit_gb > 0,
+            "plan.memory_limit_gb",
+            options.memory_limit_gb,
+            "use the device memory in GB, or null",
+        ),
+    ]
+    for ok, name, value, fix in checks:
+        if not ok:
+            raise PlanError(f"{name}={value!r} is invalid; {fix}")
+    partition = options.partition
+    if isinstance(partition, str):
+        if partition not in ("auto", "uniform"):
+            raise PlanError(f"strategy.partition={partition!r}: use auto, uniform, or a list of layers per stage")
+    elif sum(partition) != profile.num_layers or min(partition) < 1:
+        raise PlanError(
+            f"strategy.partition={list(partition)}: must give every stage >= 1 layer and sum to the model's "
+            f"{profile.num_layers} layers (embedding + blocks + head); it sums to {sum(partition)}"
+        )
+
+
+def _layouts(topology: Topology, options: PlanOptions) -> list[Layout]:
+    """Candidate layouts at the requested (or every valid) pipeline and DP degree."""
+    world = topology.world_size
+    if options.layout == "flat_fsdp":
+        return [flat_layout(topology)]
+    pp, dp = options.pp, options.dp
+    if pp is not None and dp is not None and pp * dp != world:
+        raise PlanError(f"strategy.pp={pp} x strategy.dp={dp} = {pp * dp} ranks, but {topology.name!r} has {world}")
+    if pp is not None and world % pp:
+        raise PlanError(f"strategy.pp={pp} does not divide the {world} ranks of {topology.name!r}; use a divisor")
+    wanted = dp if dp is not None else (world // pp if pp is not None else None)
+    if options.layout == "nic_unaware":
+        sizes = [wanted] if wanted else [d for d in range(1, world + 1) if world % d == 0]
+        return [megatron_layout(topology, world // d, d) for d in sizes]
+    valid = dp_degrees(topology)
+    if wanted is not None and wanted not in valid:
+        groups = ", ".join(f"{g.cluster}/{g.nic.value}: {len(g.ranks)}" for g in topology.nic_groups())
+        setting = f"strategy.dp={wanted}" if dp is not None else f"strategy.pp={pp} (dp={wanted})"
+        raise PlanError(
+            f"{setting}: every stage must hold one NIC kind and the same DP size, but the NIC groups ({groups} ranks) "
+            f"do not split into stages of {wanted}; use dp in {valid} (pp in {[world // d for d in valid]})"
+        )
+    return [layout for d in ([wanted] if wanted else valid) for layout in holmes_layouts(topology, d)]
+
+
+def _virtual_counts(options: PlanOptions, pp: int) -> int | None:
+    """How many layer counts an explicit partition must list for `pp` stages (None if it cannot fit)."""
+    if isinstance(options.partition, str):
+        return None
+    length = len(options.partition)
+    return length if length in (pp, pp * options.chunks) else -1
+
+
+def _microbatch_counts(
+    layout: Layout, profile: ModelProfile, batch: BatchSettings, options: PlanOptions, problems: list[str]
+) -> list[int]:
+    """Micro-batch counts worth evaluating for this layout; reasons for rejecting it go to `problems`."""
+    pp, dp, chunks = layout.pp, layout.dp, options.chunks
+    if pp * chunks > profile.num_layers:
+        problems.append(
+            f"pp={pp} stages x {chunks} chunk(s) need {pp * chunks} layers but {profile.name!r} has "
+            f"{profile.num_layers}; use fewer stages (strategy.pp) or fewer chunks (plan.chunks_per_stage)"
+        )
+        return []
+    if _virtual_counts(options, pp) == -1:
+        problems.append(
+            f"strategy.partition={list(options.partition)} lists {len(options.partition)} stages but the plan has "
+            f"pp={pp}; give {pp} counts (or set strategy.pp={len(options.partition)})"
+        )
+        return []
+    if batch.global_batch % dp:
+        problems.append(
+            f"data.global_batch={batch.global_batch} does not split over dp={dp} ranks; use a multiple of {dp}"
+        )
+        return []
+    per_rank = batch.global_batch // dp
+    if batch.microbatches is not None:
+        counts = [batch.microbatches]
+        if per_rank % batch.microbatches:
+            divisors = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
+            problems.append(
+                f"strategy.microbatches={batch.microbatches} does not divide the {per_rank} samples per DP rank "
+                f"(data.global_batch={batch.global_batch} / dp={dp}); use one of {divisors}"
+            )
+            return []
+    else:
+        counts = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
+    fitting = [m for m in counts if microbatch_problem(options.schedule, pp, m) is None]
+    if not fitting:
+        problems.append(
+            f"{microbatch_problem(options.schedule, pp, max(counts))} (data.global_batch={batch.global_batch} gives "
+            f"{per_rank} samples per DP rank); raise data.global_batch or strategy.microbatches, use fewer stages, "
+            f"or schedule GPipe"
+        )
+    return fitting
+
+
+def _plan_layout(
+    layout: Layout,
+    cost: CostModel,
+    batch: BatchSettings,
+    microbatches: int,
+    options: PlanOptions,
+    problems: list[str],
+) -> Plan | None:
+    """Partition, cost and simulate one layout at one micro-batch count (None, with a reason, if it does not fit)."""
+    profile = cost.profile
+    microbatch_size = batch.global_batch // layout.dp // microbatches
+    candidate = Candidate(layout, cost, options.schedule, options.chunks, microbatches, microbatch_size)
+    limit = options.memory_limit_gb * GB if options.memory_limit_gb else None
+    counts = _partition_counts(options, candidate, limit)
+    if counts is None:
+        problems.append(
+            f"no partition of {profile.name!r} over pp={layout.pp} fits plan.memory_limit_gb={options.memory_limit_gb} "
+            f"per device; use more stages (strategy.pp), sharding=fsdp, a larger limit, or a smaller micro-batch"
+        )
+        return None
+    stages = candidate.stage_plans(counts)
+    worst = max(stages, key=lambda stage: stage.memory_gb)
+    if limit is not None and worst.memory_gb * GB > limit:
+        problems.append(
+            f"stage {worst.index} (ranks {list(worst.ranks)}) needs about {worst.memory_gb:.1f} GB per device, above "
+            f"plan.memory_limit_gb={options.memory_limit_gb}; use more stages or micro-batches, or sharding=fsdp"
+        )
+        return None
+    return Plan(
+        layout=layout.name,
+        schedule=options.schedule,
+        stages=tuple(stages),
+        microbatches=microbatches,
+        microbatch_size=microbatch_size,
+        prediction=candidate.predict(stages),
+        num_layers=profile.num_layers,
+        notes=_notes(layout, stages),
+        partition=options.partition if isinstance(options.partition, str) else "explicit",
+        sharding=options.sharding,
+        tokens_per_sample=profile.tokens_per_sample,
+    )
+
+
+def _partition_counts(options: PlanOptions, candidate: Candidate, limit: float | None) -> tuple[int, ...] | None:
+    """Layers per virtual stage (pp x chunks counts; virtual stage k = stage k % pp, chunk k // pp)."""
+    num_layers, pp, chunks = candidate.cost.profile.num_layers, candidate.layout.pp, candidate.chunks
+    if options.partition == "uniform":
+        return uniform_partition(num_layers, pp * chunks)
+    if not isinstance(options.partition, str):
+        counts = tuple(options.partition)
+        return counts if len(counts) == pp * chunks else _split_chunks(counts, chunks)
+
+    def stage_cost(stage: int, start: int, stop: int) -> StageCost | None:
+        return candidate.stage_cost(stage, start, stop, limit)
+
+    per_stage = best_partition(stage_cost, num_layers, pp, candidate.microbatches, chunks, min_layers=chunks)
+    return None if per_stage is None else _split_chunks(per_stage, chunks)
+
+
+def _split_chunks(per_stage: Sequence[int], chunks: int) -> tuple[int, ...]:
+    """Each stage's layer count split into `chunks` near-equal chunks, listed in virtual-stage order."""
+    pieces = [uniform_partition(count, chunks) for count in per_stage]
+    return tuple(pieces[s][j] for j in range(chunks) for s in range(len(per_stage)))
+
+
+def _notes(layout: Layout, stages: list[StagePlan]) -> tuple[str, ...]:
+    notes = []
+    if not layout.rdma:
+        notes.append("IB and RoCE share this job's communicators, so every one of them runs on TCP sockets")
+    mixed = [s.index for s in stages if "+" in s.nic or "+" in s.cluster]
+    if mixed:
+        notes.append(f"stages {mixed} mix clusters or NIC kinds inside one DP group")
+    return tuple(notes)

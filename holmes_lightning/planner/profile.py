@@ -1,0 +1,101 @@
+"""`ModelProfile`: what each pipeline layer costs (FLOPs or measured seconds) and how many bytes it holds and sends."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from holmes_lightning.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """One pipeline layer, per sample (one sequence).
+
+    `forward_flops`/`backward_flops` drive the analytic cost; `forward_s`/`backward_s`, when measured, replace them
+    (seconds per sample on a device of `ModelProfile.measured_tflops` peak TFLOPS; None: the topology's fastest
+    device, so slower clusters scale by their `device_tflops`). `param_bytes` are the layer's weights,
+    `activation_bytes` its output (what a pipeline stage boundary after it sends), `stash_bytes` what autograd keeps
+    for the backward pass.
+    """
+
+    name: str
+    forward_flops: float
+    backward_flops: float
+    param_bytes: float
+    activation_bytes: float
+    stash_bytes: float
+    forward_s: float | None = None
+    backward_s: float | None = None
+
+    @property
+    def measured(self) -> bool:
+        return self.forward_s is not None and self.backward_s is not None
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """A model as an ordered list of pipeline layers (for a GPT: embedding, blocks, head)."""
+
+    name: str
+    layers: tuple[LayerProfile, ...]
+    tokens_per_sample: int
+    measured_tflops: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError(f"profile {self.name!r} has no layers; a pipeline needs at least one")
+        if self.tokens_per_sample <= 0:
+            raise ValueError(f"profile {self.name!r}: tokens_per_sample={self.tokens_per_sample} must be > 0")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def flops_per_sample(self) -> float:
+        """Forward + backward FLOPs of one sample through the whole model."""
+        return sum(layer.forward_flops + layer.backward_flops for layer in self.layers)
+
+    @property
+    def param_bytes(self) -> float:
+        return sum(layer.param_bytes for layer in self.layers)
+
+    @classmethod
+    def from_gpt(cls, model: ModelConfig, bytes_per_value: int = 2) -> ModelProfile:
+        """Analytic profile of a GPT shape: `[embedding, block x n_layers, head]` (pre-LN blocks, biases, 4x MLP).
+
+        FLOPs count matrix multiplies (2 per multiply-add); attention scores over the full sequence; backward = 2x
+        forward. `bytes_per_value` is the training dtype's size (2 for bf16/fp16, 4 for fp32). The block's stash is
+        Korthikanti et al.'s 34·s·h + 5·a·s² values at 16 bits, scaled to the dtype.
+        """
+        s, h, a, vocab = model.seq_len, model.d_model, model.n_heads, model.vocab_size
+        width = bytes_per_value
+        hidden_out = s * h * width
+        block_flops = 24 * s * h * h + 4 * s * s * h
+        block_params = 12 * h * h + 13 * h
+        block_stash = (34 * s * h + 5 * a * s * s) * width / 2
+        head_flops = 2 * s * h * vocab
+        embedding = LayerProfile("embedding", 0.0, 0.0, (vocab + s) * h * width, hidden_out, 0.0)
+        block = LayerProfile("block", block_flops, 2 * block_flops, block_params * width, hidden_out, block_stash)
+        logits = s * vocab * width
+        head_params = (vocab * h + 2 * h) * width
+        head = LayerProfile("head", head_flops, 2 * head_flops, head_params, logits, hidden_out + logits)
+        blocks = tuple(replace(block, name=f"block{i}") for i in range(model.n_layers))
+        return cls(model.name, (embedding, *blocks, head), tokens_per_sample=s)
+
+    @classmethod
+    def from_modules(
+        cls, modules: Sequence[Any], sample_microbatch: Any, name: str = "model", time_repeats: int = 0
+    ) -> ModelProfile:
+        """Measure `modules` applied in sequence to one micro-batch: FLOPs (FlopCounterMode), bytes, optionally time.
+
+        `time_repeats > 0` also times each layer's forward and backward (median of that many runs) on this machine;
+        the seconds then stand for the topology's fastest device (`measured_tflops=None`).
+        """
+        from holmes_lightning.planner.measure import measure_layers
+
+        layers, tokens = measure_layers(list(modules), sample_microbatch, time_repeats)
+        return cls(name, tuple(layers), tokens_per_sample=tokens)

@@ -1,0 +1,86 @@
+"""Per-stage action orders of the pipeline schedules, as torch.distributed.pipelining runs them (no processes here)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One forward or backward of one micro-batch through one of a stage's chunks."""
+
+    backward: bool
+    chunk: int
+    microbatch: int
+
+
+def microbatch_problem(schedule: str, pp: int, microbatches: int) -> str | None:
+    """Why torch's schedule would refuse this micro-batch count for `pp` stages, or None."""
+    if schedule == "1F1B" and microbatches < pp:
+        return f"schedule 1F1B needs microbatches >= stages, got {microbatches} < {pp}"
+    rounds = max(1, microbatches // pp)
+    if schedule == "Interleaved1F1B" and microbatches % rounds:
+        return (
+            f"schedule Interleaved1F1B needs microbatches to be a multiple of max(1, microbatches // pp) = {rounds}, "
+            f"got {microbatches} with pp={pp}"
+        )
+    return None
+
+
+def stage_actions(schedule: str, stage: int, pp: int, microbatches: int, chunks: int = 1) -> list[Action]:
+    """The order in which `stage` of `pp` runs its forwards and backwards (`chunks` > 1: interleaved)."""
+    if schedule == "GPipe":
+        forwards = [Action(False, 0, mb) for mb in range(microbatches)]
+        return forwards + [Action(True, 0, mb) for mb in range(microbatches)]
+    if schedule == "1F1B":
+        return _one_f_one_b(stage, pp, microbatches)
+    if schedule == "Interleaved1F1B":
+        return _interleaved(stage, pp, microbatches, chunks)
+    raise ValueError(f"schedule={schedule!r} is not modelled; use one of {', '.join(SCHEDULES)}")
+
+
+def _one_f_one_b(stage: int, pp: int, microbatches: int) -> list[Action]:
+    """torch's Schedule1F1B: `pp - stage` warm-up forwards, then backward/forward pairs, then the last backwards."""
+    warmup = min(microbatches, pp - stage)
+    actions = [Action(False, 0, mb) for mb in range(warmup)]
+    for backward_mb in range(microbatches):
+        actions.append(Action(True, 0, backward_mb))
+        if warmup + backward_mb < microbatches:
+            actions.append(Action(False, 0, warmup + backward_mb))
+    return actions
+
+
+def _interleaved(stage: int, pp: int, microbatches: int, chunks: int) -> list[Action]:
+    """torch's ScheduleInterleaved1F1B: micro-batches in rounds of `per_round`, chunks visited round by round."""
+    per_round = microbatches // max(1, microbatches // pp)
+    total = microbatches * chunks
+    warmup = min((chunks - 1) * per_round + 2 * (pp - 1 - stage), total)
+    next_mb = {"forward": [0] * chunks, "backward": [0] * chunks}
+
+    def forward(step: int) -> Action:
+        chunk = (step // per_round) % chunks
+        next_mb["forward"][chunk] += 1
+        return Action(False, chunk, next_mb["forward"][chunk] - 1)
+
+    def backward(step: int) -> Action:
+        chunk = chunks - 1 - (step // per_round) % chunks
+        next_mb["backward"][chunk] += 1
+        return Action(True, chunk, next_mb["backward"][chunk] - 1)
+
+    actions = [forward(step) for step in range(warmup)]
+    for step in range(warmup, total):
+        actions += [forward(step), backward(step - warmup)]
+    actions += [backward(step) for step in range(total - warmup, total)]
+    return actions
+
+
+def peak_stash(actions: Sequence[Action], stash_per_chunk: Sequence[float]) -> float:
+    """Most activation bytes held at once: forwards not yet matched by their backward."""
+    held = peak = 0.0
+    for action in actions:
+        held += -stash_per_chunk[action.chunk] if action.backward else stash_per_chunk[action.chunk]
+        peak = max(peak, held)
+    return peak
