@@ -130,6 +130,34 @@ class TrainConfig:
     output_dir: str = "outputs"
 
 
+@dataclass
+class PlanConfig:
+    """The `plan` CLI's outputs and the cost model's knobs (see `holmes_lightning.planner.PlanOptions`)."""
+
+    out: str | None = None
+    json: str | None = None
+    efficiency: float = 0.5
+    dp_overlap: float = 0.5
+    state_multiplier: float = 4.0
+    memory_limit_gb: float | None = None
+    chunks_per_stage: int = 2
+    bytes_per_value: int = 2
+
+    def __post_init__(self) -> None:
+        _require(self.bytes_per_value in (2, 4), "plan.bytes_per_value", self.bytes_per_value, "use 2 (bf16) or 4")
+
+
+@dataclass
+class PlanJobConfig:
+    """`python -m holmes_lightning.plan`: the job's hardware, model, batch and strategy, planned without running."""
+
+    cluster: ClusterSpec = field(default_factory=ClusterSpec)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+
+
 def register_configs() -> None:
     """Register the schemas so Hydra rejects unknown keys and wrong types in every config group."""
     store = ConfigStore.instance()
@@ -139,3 +167,4 @@ def register_configs() -> None:
     store.store(group="strategy", name="base_strategy", node=StrategyConfig)
     store.store(group="trainer", name="base_trainer", node=TrainerConfig)
     store.store(group="lab", name="base_lab", node=LabConfig)
+    store.store(name="base_plan_config", node=PlanJobConfig)

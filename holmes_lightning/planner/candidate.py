@@ -118,7 +118,7 @@ class Candidate:
         last = max(range(len(stages)), key=lambda s: timeline.stage_end_s[s])
         compute = m * (sum(stages[last].forward_s) + sum(stages[last].backward_s))
         sync = stages[last].exposed_sync_s
-        p2p = min(max(total - no_transfers.total_s, 0.0), total - compute - sync)
+        p2p = max(min(total - no_transfers.total_s, total - compute - sync), 0.0)
         samples = m * self.microbatch_size * self.layout.dp
         world = self.layout.pp * self.layout.dp
         return StepPrediction(

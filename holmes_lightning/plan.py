@@ -1,0 +1,73 @@
+"""`python -m holmes_lightning.plan cluster=two_cluster_mixed model=gpt_7_5b [plan.out=plan.png]`: plan, don't run.
+
+Prints the topology, Holmes' plan (rank map, stages and their layers, DP groups with NIC kind and link speed) and
+the predicted step of Holmes next to the alternatives; `plan.out` draws the cluster map and timelines,
+`plan.json` writes Holmes' plan for `Plan.from_json`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from holmes_lightning.config import PlanJobConfig, register_configs
+from holmes_lightning.planner import BatchSettings, ModelProfile, PlanError, PlanOptions, compare
+from holmes_lightning.planner.draw import draw_plans
+from holmes_lightning.planner.report import format_comparison, format_plan
+from holmes_lightning.topology import Topology, TopologyError, config_dir
+
+register_configs()
+
+
+def run(config: PlanJobConfig) -> dict:
+    """Plan the configured job and print (and optionally draw and save) the result; returns the compared plans."""
+    topology = Topology.from_config(config.cluster)
+    profile = ModelProfile.from_gpt(config.model, bytes_per_value=config.plan.bytes_per_value)
+    strategy, knobs = config.strategy, config.plan
+    options = PlanOptions(
+        schedule=strategy.schedule,
+        partition=strategy.partition,
+        pp=strategy.pp,
+        dp=strategy.dp,
+        sharding=strategy.sharding,
+        chunks_per_stage=knobs.chunks_per_stage,
+        efficiency=knobs.efficiency,
+        dp_overlap=knobs.dp_overlap,
+        state_multiplier=knobs.state_multiplier,
+        memory_limit_gb=knobs.memory_limit_gb,
+    )
+    print(topology)
+    print(
+        f"\nModel {profile.name}: {profile.num_layers} pipeline layers, {profile.param_bytes / 1e9:.2f} GB of weights, "
+        f"global batch {config.data.global_batch} x {profile.tokens_per_sample} tokens\n"
+    )
+    plans = compare(topology, profile, BatchSettings(config.data.global_batch, strategy.microbatches), options)
+    print(format_plan(plans["holmes"], profile))
+    print()
+    print(format_comparison(plans))
+    if knobs.json:
+        Path(knobs.json).write_text(plans["holmes"].to_json())
+        print(f"\nwrote {knobs.json}")
+    if knobs.out:
+        print(f"wrote {draw_plans(plans, topology, knobs.out)}")
+    return plans
+
+
+@hydra.main(version_base=None, config_path=str(config_dir()), config_name="plan")
+def _hydra_main(cfg: DictConfig) -> None:
+    try:
+        run(OmegaConf.to_object(cfg))
+    except (PlanError, TopologyError) as err:
+        sys.exit(f"plan: {err}")
+
+
+def main() -> None:
+    """Console entry point (`holmes-plan ...`)."""
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Plain-text views of plans: the rank map, the stages and a side-by-side comparison of alternatives."""
+
+from __future__ import annotations
+
+from holmes_lightning.planner.plan_types import Plan
+from holmes_lightning.planner.profile import ModelProfile
+
+
+def format_plan(plan: Plan, profile: ModelProfile) -> str:
+    """Rank map, stages with their layers, groups with NIC kind and link speed, and the predicted step."""
+    p = plan.prediction
+    lines = [
+        f"{plan.layout} plan: pp={plan.pp} x dp={plan.dp}, {plan.schedule}, {plan.microbatches} micro-batches of "
+        f"{plan.microbatch_size}, {plan.sharding}, partition {plan.partition}",
+        "  rank map (row = stage = one DP group; column = dp index):",
+    ]
+    lines += [f"    stage {stage.index}: {list(stage.ranks)}" for stage in plan.stages]
+    header = (
+        f"  {'stage':<6}{'cluster/nic':<20}{'TFLOPS':>7}  {'layers':<34}{'DP group link':<20}"
+        f"{'to next':<16}{'fwd+bwd/mb':>11}{'sync':>9}{'exposed':>9}{'mem GB':>8}"
+    )
+    lines += ["", header]
+    for stage in plan.stages:
+        layers = "; ".join(_layer_range(profile, start, stop) for start, stop in stage.chunks)
+        dp_link = f"{stage.dp_link} {stage.dp_gbps:g} Gb/s" if len(stage.ranks) > 1 else "-"
+        send = f"{stage.send_link} {stage.send_gbps:g} Gb/s" if stage.index < plan.pp - 1 else "-"
+        compute = sum(stage.forward_s) + sum(stage.backward_s)
+        lines.append(
+            f"  {stage.index:<6}{stage.cluster + '/' + stage.nic:<20}{stage.device_tflops:>7g}  {layers:<34}"
+            f"{dp_link:<20}{send:<16}{_ms(compute):>11}{_ms(stage.sync_s):>9}{_ms(stage.exposed_sync_s):>9}"
+            f"{stage.memory_gb:>8.1f}"
+        )
+    lines += [
+        "",
+        f"  predicted step {p.total_s:.4g} s = compute {p.compute_s:.4g} + DP sync {p.dp_sync_s:.4g} + p2p "
+        f"{p.p2p_s:.4g} + bubble {p.bubble_s:.4g}; {p.tokens_per_s:,.0f} tokens/s, "
+        f"{p.tflops_per_device:.1f} TFLOPS/GPU, {p.memory_gb:.1f} GB/GPU",
+    ]
+    lines += [f"  note: {note}" for note in plan.notes]
+    return "\n".join(lines)
+
+
+def format_comparison(plans: dict[str, Plan], reference: str = "holmes") -> str:
+    """One row per plan: degrees, layers per stage, predicted step, throughput, and how much faster `reference` is."""
+    base = plans[reference]
+    header = (
+        f"  {'plan':<13}{'pp x dp':<9}{'layers/stage':<22}{'mb':>5}{'step s':>10}{'tokens/s':>12}{'TFLOPS/GPU':>12}"
+        f"{'compute':>9}{'sync':>8}{'p2p':>8}{'bubble':>8}  {reference} speedup"
+    )
+    lines = ["Predicted step, same cost model:", header]
+    for name, plan in plans.items():
+        p = plan.prediction
+        layers = ",".join(map(str, plan.layers_per_stage()))
+        lines.append(
+            f"  {name:<13}{f'{plan.pp}x{plan.dp}':<9}{layers[:21]:<22}{plan.microbatches:>5}{p.total_s:>10.4g}"
+            f"{p.tokens_per_s:>12,.0f}{p.tflops_per_device:>12.1f}{p.compute_s:>9.3g}{p.dp_sync_s:>8.3g}"
+            f"{p.p2p_s:>8.3g}{p.bubble_s:>8.3g}  {base.speedup_over(plan):.2f}x"
+        )
+    return "\n".join(lines)
+
+
+def _layer_range(profile: ModelProfile, start: int, stop: int) -> str:
+    first, last = profile.layers[start].name, profile.layers[stop - 1].name
+    names = first if stop - start == 1 else f"{first}..{last}"
+    return f"{start}-{stop - 1} ({names})"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g}ms" if seconds < 1 else f"{seconds:.3g}s"
