@@ -1,0 +1,147 @@
+"""The model contract, this rank's pipeline stages built from a Plan, and one schedule step over them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+from holmes_lightning.planner import Plan
+
+CONTRACT = ("pipeline_layers", "pipeline_loss")
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class ContractError(TypeError):
+    """The LightningModule cannot be split into pipeline stages; the message says what to add."""
+
+
+def missing_contract(module: nn.Module) -> list[str]:
+    return [name for name in CONTRACT if not callable(getattr(module, name, None))]
+
+
+def check_contract(module: nn.Module, pp: int) -> None:
+    missing = missing_contract(module)
+    if missing:
+        raise ContractError(
+            f"HolmesStrategy with pp={pp} pipeline stages needs {type(module).__name__} to define "
+            f"{' and '.join(missing)}: add `def pipeline_layers(self) -> list[nn.Module]` (ordered modules whose "
+            f"sequential application maps inputs to outputs) and `def pipeline_loss(self, outputs, targets) -> "
+            f"Tensor` (mean loss of one micro-batch); batches must be (inputs, targets). Or train with pp=1."
+        )
+
+
+def split_batch(batch: object) -> tuple[torch.Tensor, torch.Tensor]:
+    if not (isinstance(batch, tuple | list) and len(batch) == 2 and all(torch.is_tensor(t) for t in batch)):
+        raise ContractError(
+            f"HolmesStrategy pipelines batches of the form (inputs, targets), two tensors with the samples first; "
+            f"got {type(batch).__name__}; make the dataloader yield (inputs, targets)"
+        )
+    return batch[0], batch[1]
+
+
+def keep_owned_layers(module: nn.Module, layers: Sequence[nn.Module], owned: set[int]) -> None:
+    """Detach the layers this rank does not own from `module`: its parameters, optimizer and checkpoint skip them."""
+    parents = {id(child): (parent, name) for parent in module.modules() for name, child in parent.named_children()}
+    for index, layer in enumerate(layers):
+        if id(layer) not in parents:
+            raise ContractError(
+                f"pipeline_layers()[{index}] ({type(layer).__name__}) is not a submodule of {type(module).__name__}; "
+                f"return the module's own layers (assigned as attributes or in an nn.ModuleList) so they train"
+            )
+        if index not in owned:
+            parent, name = parents[id(layer)]
+            setattr(parent, name, None)
+    kept = {id(p) for i in owned for p in layers[i].parameters()}
+    stray = [name for name, p in module.named_parameters() if id(p) not in kept]
+    if stray:
+        raise ContractError(
+            f"parameters {stray[:5]} of {type(module).__name__} belong to no layer of this stage; every parameter "
+            f"must live in exactly one of pipeline_layers() (weights tied across stages are not supported)"
+        )
+
+
+class Pipeline:
+    """This rank's chunks as PipelineStages and the plan's schedule; one schedule per micro-batch shape for eval."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        stage: int,
+        chunks: Sequence[nn.Module],
+        pp_group: dist.ProcessGroup,
+        device: torch.device,
+        loss_fn: LossFn,
+    ) -> None:
+        self.plan = plan
+        self.stage = stage
+        self.chunks = list(chunks)
+        self.pp_group = pp_group
+        self.device = device
+        self.loss_fn = loss_fn
+        self.schedule_class = get_schedule_class(plan.schedule)
+        self.train_schedule = self._schedule(plan.microbatches)
+        self._eval_schedules: dict[tuple[int, ...], object] = {}
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.plan.pp - 1
+
+    @property
+    def replica_batch(self) -> int:
+        return self.plan.microbatches * self.plan.microbatch_size
+
+    def _schedule(self, microbatches: int) -> object:
+        pp, virtual = self.plan.pp, self.plan.pp * len(self.chunks)
+        stages = [
+            PipelineStage(chunk, self.stage + j * pp, virtual, self.device, group=self.pp_group)
+            for j, chunk in enumerate(self.chunks)
+        ]
+        if issubclass(self.schedule_class, PipelineScheduleSingle):
+            return self.schedule_class(stages[0], n_microbatches=microbatches, loss_fn=self.loss_fn)
+        return self.schedule_class(stages, n_microbatches=microbatches, loss_fn=self.loss_fn)
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one replica batch; gradients land in the stage's parameters. Returns the loss."""
+        if inputs.shape[0] != self.replica_batch:
+            raise ValueError(
+                f"a training batch has {inputs.shape[0]} samples per DP replica but the plan needs "
+                f"{self.plan.microbatches} micro-batches x {self.plan.microbatch_size} = {self.replica_batch}; give "
+                f"the train DataLoader batch_size=strategy.replica_batch_size (global batch / dp) and drop_last=True"
+            )
+        return self._run(self.train_schedule.step, inputs, targets)
+
+    def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward only, in the plan's micro-batches (any batch size they divide). Returns the loss."""
+        microbatches = self.plan.microbatches
+        if inputs.shape[0] % microbatches:
+            raise ValueError(
+                f"an evaluation batch has {inputs.shape[0]} samples per DP replica, which does not split into the "
+                f"plan's {microbatches} micro-batches; use a batch size that is a multiple of {microbatches} and "
+                f"drop_last=True in the val/test DataLoader"
+            )
+        shape = tuple(inputs.shape)
+        if shape not in self._eval_schedules:  # stage buffers are sized by the first micro-batch they see
+            self._eval_schedules[shape] = self._schedule(microbatches)
+        return self._run(self._eval_schedules[shape].eval, inputs, targets)
+
+    def _run(self, step: Callable, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        losses: list[torch.Tensor] = []
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        if self.stage == 0:
+            step(inputs)
+        else:
+            step(target=targets if self.is_last else None, losses=losses)
+        local = torch.stack([loss.detach().float() for loss in losses]).mean() if losses else None
+        return shared_loss(local, self.plan.dp, self.device)
+
+
+def shared_loss(local: torch.Tensor | None, dp: int, device: torch.device) -> torch.Tensor:
+    """The mean loss over all DP replicas, on every rank: last-stage ranks contribute, the others add zero."""
+    total = local / dp if local is not None else torch.zeros((), device=device)
+    dist.all_reduce(total)
+    return total

@@ -1,0 +1,390 @@
+"""`HolmesStrategy`: Lightning training on a Holmes Plan, pipeline stages over NIC groups with FSDP2 inside each.
+
+Flow: the NIC-grouping environment yields the Topology, rank 0 asks the planner for a Plan and shares it, every rank
+creates the Plan's process groups and ("pp", "dp") mesh, keeps only its stage's layers, shards them over its stage's
+DP group and runs torch.distributed.pipelining's schedule. With automatic optimisation Lightning calls training_step,
+zero_grad, then backward: the schedule runs in training_step (so the real loss reaches Lightning) with its gradients
+set aside, and backward adds them, which keeps accumulation, clipping, hooks and optimizer steps Lightning's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _init_dist_connection
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.optim import Optimizer
+
+from holmes_lightning import planner
+from holmes_lightning.planner import SCHEDULES, BatchSettings, LayerProfile, ModelProfile, Plan, PlanOptions
+from holmes_lightning.planner.planner import LAYOUTS
+from holmes_lightning.runtime import checkpoint
+from holmes_lightning.runtime.environment import NICGroupingEnvironment
+from holmes_lightning.runtime.groups import PlanMesh, build_mesh
+from holmes_lightning.runtime.pipeline import Pipeline, check_contract, keep_owned_layers, missing_contract, split_batch
+from holmes_lightning.runtime.sharding import SHARDINGS, clip_grad_norm_, shard
+from holmes_lightning.topology import ClusterSpec, Topology
+
+PLANNER_SHARDING = {"fsdp": "fsdp", "none": "ddp"}
+
+
+class HolmesStrategy(ModelParallelStrategy):
+    """Pipeline x FSDP2 over the NIC groups of `cluster`, on the Plan the Holmes planner picks (or the one given).
+
+    Arguments:
+        cluster: a shipped config name, a YAML path, a dict, a ClusterSpec or a Topology; None: the launched nodes,
+            NIC kinds detected.
+        schedule, microbatches, partition, pp, dp, layout: what to plan (see `holmes_lightning.planner.PlanOptions`);
+            None lets the planner choose. layout="nic_unaware" is Megatron's rank order with IB and RoCE on TCP.
+        sharding: "fsdp" (FSDP2 inside each stage) or "none" (full replicas, gradients all-reduced).
+        global_batch: samples per optimizer step over all DP replicas; the train DataLoader then gives
+            `replica_batch_size` samples per step.
+        plan: a Plan (or its JSON file) to run instead of planning.
+        profile: the model's cost profile; default: `pipeline_layers()` measured on `example_input_array`.
+        timeout: seconds (or a timedelta) a collective may wait before the job fails.
+    """
+
+    strategy_name = "holmes"
+
+    def __init__(
+        self,
+        cluster: str | Path | dict | ClusterSpec | Topology | None = None,
+        schedule: str = "1F1B",
+        microbatches: int | None = None,
+        partition: str | Sequence[int] = "auto",
+        pp: int | None = None,
+        dp: int | None = None,
+        sharding: str = "fsdp",
+        global_batch: int | None = None,
+        layout: str = "holmes",
+        plan: Plan | str | Path | None = None,
+        profile: ModelProfile | None = None,
+        timeout: float | timedelta = default_pg_timeout,
+        process_group_backend: str | None = None,
+    ) -> None:
+        _check_arguments(schedule, sharding, layout, pp=pp, dp=dp, microbatches=microbatches, global_batch=global_batch)
+        seconds = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
+        super().__init__(process_group_backend=process_group_backend, timeout=seconds)
+        self.cluster = cluster
+        self.sharding = sharding
+        self.options = PlanOptions(
+            schedule=schedule, partition=partition, pp=pp, dp=dp, layout=layout, sharding=PLANNER_SHARDING[sharding]
+        )
+        self.batch = None if global_batch is None else BatchSettings(global_batch, microbatches)
+        self.profile = profile
+        self.plan: Plan | None = (
+            plan if isinstance(plan, Plan) or plan is None else Plan.from_json(Path(plan).read_text())
+        )
+        self.topology: Topology | None = None
+        self.plan_mesh: PlanMesh | None = None
+        self.pipeline: Pipeline | None = None
+        self._prepared: nn.Module | None = None
+        self._parameters: list[nn.Parameter] = []
+        self._step_grads: list[torch.Tensor | None] | None = None
+
+    @property
+    def replica_batch_size(self) -> int:
+        """Samples per training step that each DP replica's DataLoader must yield (global batch / dp)."""
+        return self._require_plan().microbatches * self._require_plan().microbatch_size
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Shard data over the DP dimension only: every stage of one DP column sees the same batch."""
+        if self.plan_mesh is None:
+            raise RuntimeError("HolmesStrategy: the data split is known once the plan exists (after setup_environment)")
+        return {"num_replicas": self._require_plan().dp, "rank": self.plan_mesh.dp_index}
+
+    def _require_plan(self) -> Plan:
+        if self.plan is None:
+            raise RuntimeError("HolmesStrategy: no plan yet; it is made in setup_environment, once processes joined")
+        return self.plan
+
+    def connect(self, model: pl.LightningModule) -> None:
+        if self.options.pp not in (None, 1):
+            check_contract(model, self.options.pp)
+        super().connect(model)
+
+    def _configure_launcher(self) -> None:
+        """Lightning has chosen the launcher's environment by now: wrap it so it also yields the Topology."""
+        if not isinstance(self.cluster_environment, NICGroupingEnvironment):
+            self.cluster_environment = NICGroupingEnvironment(self._cluster_source(), inner=self.cluster_environment)
+        super()._configure_launcher()
+
+    def _cluster_source(self) -> str | Path | dict | ClusterSpec | Topology:
+        if self.cluster is not None:
+            return self.cluster
+        nodes = [{"name": "local", "nodes": self.num_nodes, "nic": {"kind": None}}]
+        return {"name": "launched", "devices_per_node": self.num_processes, "clusters": nodes}
+
+    def setup_environment(self) -> None:
+        self._setup_distributed()
+        assert isinstance(self.cluster_environment, NICGroupingEnvironment)
+        self.topology = self.cluster_environment.exchange()
+        if self.plan_mesh is None:
+            self.plan = self._agree_on_plan()
+            rank_zero_info(_describe(self.plan))
+            backend = self._get_process_group_backend()
+            self.plan_mesh = build_mesh(
+                self.plan, self.topology, self.cluster_environment, self.root_device.type, backend, self._timeout
+            )
+        self._device_mesh = self.plan_mesh.mesh
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    def _setup_distributed(self) -> None:
+        """The default group; NCCL's spans every NIC kind, so it runs on sockets (it carries only small messages)."""
+        ParallelStrategy.setup_environment(self)
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self._process_group_backend == "nccl":
+            options = torch.distributed.ProcessGroupNCCL.Options()
+            options.config.net_name = "Socket"
+            kwargs.update(device_id=self.root_device, pg_options=options)
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+
+    def _agree_on_plan(self) -> Plan:
+        """Rank 0 plans (profiling the model once) and every rank gets its Plan, or its error."""
+        if self.plan is not None:
+            self._check_given_plan(self.plan)
+            return self.plan
+        outcome: str | Exception | None = None
+        if self.global_rank == 0:
+            try:
+                outcome = self._make_plan().to_json()
+            except Exception as error:  # any failure must reach the other ranks, or they wait for the plan forever
+                outcome = error
+        outcome = self.broadcast(outcome)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return Plan.from_json(outcome)
+
+    def _check_given_plan(self, given: Plan) -> None:
+        assert self.topology is not None
+        if given.world_size != self.topology.world_size:
+            raise ValueError(
+                f"plan= has {given.pp} stages x {given.dp} ranks = {given.world_size} ranks, but cluster "
+                f"{self.topology.name!r} has {self.topology.world_size}; plan for this cluster"
+            )
+
+    def _make_plan(self) -> Plan:
+        assert self.topology is not None and self.lightning_module is not None
+        module = self.lightning_module
+        if missing_contract(module):
+            return self._flat_plan(module)
+        if self.batch is None:
+            raise ValueError(
+                "HolmesStrategy(global_batch=None): the planner needs the samples per optimizer step; pass "
+                "global_batch=<sequences per step over all DP replicas>"
+            )
+        return planner.plan(self.topology, self.profile or _measure(module), self.batch, self.options)
+
+    def _flat_plan(self, module: pl.LightningModule) -> Plan:
+        """A module without the pipeline contract trains with pp=1: one FSDP group over every rank."""
+        assert self.topology is not None
+        param_bytes = float(sum(p.numel() * p.element_size() for p in module.parameters()))
+        whole = ModelProfile(type(module).__name__, (LayerProfile("model", 0.0, 0.0, param_bytes, 0.0, 0.0),), 1)
+        batch = self.batch or BatchSettings(self.topology.world_size)
+        options = replace(self.options, layout="flat_fsdp", pp=None, dp=None, partition="auto")
+        found = planner.plan(self.topology, whole, replace(batch, microbatches=None), options)
+        return replace(found, notes=(*found.notes, "no pipeline contract: pp=1, FSDP over all ranks"))
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.lightning_module is not None
+        self.accelerator.setup(trainer)
+        if self._prepared is not self.lightning_module:
+            self._prepare(self.lightning_module)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # total norm over every stage
+
+    def _prepare(self, module: pl.LightningModule) -> None:
+        """Keep this stage's layers, shard them over the stage's DP mesh, and build its pipeline stages."""
+        active_plan, mesh = self._require_plan(), self.plan_mesh
+        assert mesh is not None
+        self.model = self.precision_plugin.convert_module(self.model)
+        mixed = self.precision_plugin.precision == "bf16-mixed"
+        policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if mixed else MixedPrecisionPolicy()
+        layers = [] if missing_contract(module) else list(module.pipeline_layers())
+        if len(layers) not in (0, active_plan.num_layers):
+            raise ValueError(
+                f"the plan splits {active_plan.num_layers} layers but {type(module).__name__}.pipeline_layers() "
+                f"returns {len(layers)}; plan for this model"
+            )
+        if active_plan.pp == 1:
+            shard(layers, module, mesh.dp_mesh, self.sharding, policy, reshard_after_forward=True)
+        else:
+            check_contract(module, active_plan.pp)
+            if self.precision_plugin.precision == "16-mixed":
+                raise ValueError("HolmesStrategy pipelines train in fp32 or bf16: use precision='bf16-mixed'")
+            stage = active_plan.stages[mesh.stage]
+            keep_owned_layers(module, layers, set(stage.layers))
+            module.example_input_array = None  # the whole forward no longer runs here (model summary would call it)
+            chunks = [nn.Sequential(*layers[start:stop]) for start, stop in stage.chunks]
+            for chunk in chunks:  # resharding after forward gives zero-bubble schedules wrong gradients
+                shard(list(chunk), chunk, mesh.dp_mesh, self.sharding, policy, reshard_after_forward=False)
+            self.pipeline = Pipeline(
+                active_plan, mesh.stage, chunks, mesh.pp_group, self.root_device, module.pipeline_loss
+            )
+        _materialize_distributed_module(module, self.root_device)
+        self.model_to_device()
+        self._parameters = list(module.parameters())
+        self._prepared = module
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self.lightning_module is not None
+        if self.pipeline is None:  # through the module's own forward, so FSDP's root hooks run
+            with self.precision_plugin.train_step_context():
+                module = self.lightning_module
+                return self._forward_redirection(module, module, "training_step", *args, **kwargs)
+        inputs, targets = split_batch(args[0])
+        earlier = _swap_grads(self._parameters, [None] * len(self._parameters))
+        with self.precision_plugin.train_step_context():
+            loss = self.pipeline.train_step(inputs, targets)
+        self._step_grads = _swap_grads(self._parameters, earlier)
+        self.lightning_module.log("train_loss", loss, prog_bar=True, batch_size=inputs.shape[0])
+        return loss
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Any:
+        """Pipelined: add the gradients of this step's schedule (scaled for accumulation) instead of autograd."""
+        if self.pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        module = self.lightning_module
+        assert module is not None and self._step_grads is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        accumulate = module.trainer.accumulate_grad_batches
+        for param, grad in zip(self._parameters, self._step_grads, strict=True):
+            if grad is None:
+                continue
+            if accumulate > 1:
+                grad.div_(accumulate)
+            param.grad = grad if param.grad is None else param.grad.add_(grad)
+        self._step_grads = None
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluate("validation_step", "val_loss", *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluate("test_step", "test_loss", *args, **kwargs)
+
+    def _evaluate(self, hook: str, name: str, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        assert module is not None
+        with self.precision_plugin.val_step_context():
+            if self.pipeline is None:
+                return self._forward_redirection(module, module, hook, *args, **kwargs)
+            inputs, targets = split_batch(args[0])
+            loss = self.pipeline.eval_step(inputs, targets)
+        module.log(name, loss, prog_bar=True, sync_dist=True, batch_size=inputs.shape[0])
+        return loss
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is not None:
+            raise NotImplementedError("HolmesStrategy predicts with pp=1 only; use HolmesStrategy(pp=1) to predict")
+        return super().predict_step(*args, **kwargs)
+
+    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        pp_group = self.plan_mesh.pp_group if self.pipeline is not None and self.plan_mesh else None
+        clip_grad_norm_(params, clip_val, pp_group, self.root_device)
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        return checkpoint.model_state(self.lightning_module)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return checkpoint.optimizer_state(self.lightning_module, optimizer)
+
+    def save_checkpoint(self, checkpoint_: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError("HolmesStrategy.save_checkpoint(storage_options=...) is not supported: it writes with DCP")
+        path = Path(self.broadcast(filepath))
+        checkpoint.save(checkpoint_, path, self._require_plan(), self.is_global_zero, self.barrier)
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        path = Path(self.broadcast(checkpoint_path))
+        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        strict = self.lightning_module.strict_loading
+        return checkpoint.load(path, self.lightning_module, optimizers, self._require_plan(), strict)
+
+
+def _swap_grads(params: list[nn.Parameter], grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Put `grads` into `params` and return what they held."""
+    held = [p.grad for p in params]
+    for param, grad in zip(params, grads, strict=True):
+        param.grad = grad
+    return held
+
+
+def _measure(module: pl.LightningModule) -> ModelProfile:
+    sample = module.example_input_array
+    if not torch.is_tensor(sample):
+        raise ValueError(
+            f"HolmesStrategy profiles {type(module).__name__}.pipeline_layers() on one batch of inputs: set "
+            f"`self.example_input_array = <input tensor, samples first>` in __init__, or pass "
+            f"HolmesStrategy(profile=ModelProfile...)"
+        )
+    return ModelProfile.from_modules(module.pipeline_layers(), sample, name=type(module).__name__)
+
+
+def _describe(active: Plan) -> str:
+    lines = [
+        f"Holmes plan: layout {active.layout}, {active.pp} stages x {active.dp} DP, schedule {active.schedule}, "
+        f"{active.microbatches} micro-batches of {active.microbatch_size}, predicted "
+        f"{active.prediction.total_s * 1e3:.2f} ms/step"
+    ]
+    for stage in active.stages:
+        lines.append(
+            f"  stage {stage.index}: ranks {list(stage.ranks)} {stage.cluster}/{stage.nic} layers {stage.chunks} "
+            f"DP over {stage.dp_link}"
+        )
+    return "\n".join([*lines, *(f"  note: {note}" for note in active.notes)])
+
+
+def _check_arguments(schedule: str, sharding: str, layout: str, **counts: int | None) -> None:
+    """What HolmesStrategy can reject before any process starts."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"HolmesStrategy(schedule={schedule!r}): use one of {', '.join(SCHEDULES)}")
+    if sharding not in SHARDINGS:
+        raise ValueError(f"HolmesStrategy(sharding={sharding!r}): use one of {', '.join(SHARDINGS)}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"HolmesStrategy(layout={layout!r}): use one of {', '.join(LAYOUTS)}")
+    for name, value in counts.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(
+                f"HolmesStrategy({name}={value!r}): use a positive integer, or None to let the planner pick"
+            )
+
+
+StrategyRegistry.register(
+    "holmes", HolmesStrategy, description="Holmes: pipeline stages over NIC groups, FSDP2 inside each stage"
+)

@@ -1,0 +1,130 @@
+"""Multi-process test runs: `run_ranks` starts one process per rank of a cluster and collects what each returns.
+
+Ranks are started by `holmes_lightning.launch.launch` exactly like a torchrun job on this machine (gloo, loopback).
+Each rank runs `python tests/distributed.py MODULE:FUNCTION KWARGS OUT`, calls the function with the keyword
+arguments and writes its JSON result to OUT/rank<N>.json. Also here: a tiny LightningModule that follows the
+pipeline contract, and its data, so equivalence tests compare the same model in and out of HolmesStrategy.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import signal
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from holmes_lightning.launch import launch
+from holmes_lightning.topology import Topology
+
+FEATURES, CLASSES = 8, 4
+WIDTHS = (FEATURES, 48, 48, 16, 16, 16, CLASSES)  # wide first layers: an auto partition differs from uniform
+
+
+def run_ranks(
+    target: str, cluster: str = "two_cluster_mixed", timeout_s: float = 300, env: dict[str, str] | None = None, **kwargs
+) -> list[Any]:
+    """Run `target` ("module:function", module importable from tests/) on every rank; returns results by rank."""
+    topology = Topology.from_config(cluster)
+    with tempfile.TemporaryDirectory() as out:
+        command = [sys.executable, str(Path(__file__).resolve()), target, json.dumps(kwargs), out]
+
+        def expire(_signum: int, _frame: object) -> None:
+            raise TimeoutError(f"{target} on {topology.world_size} ranks ran past {timeout_s} s")
+
+        previous = signal.signal(signal.SIGALRM, expire)
+        signal.alarm(int(timeout_s))
+        try:
+            code = launch(command, topology, node_env=(lambda _node: env) if env else None, grace_s=5)
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, previous)
+        if code != 0:
+            raise RuntimeError(f"{target} failed on some rank with exit code {code} (rank output is above)")
+        return [json.loads(Path(out, f"rank{rank}.json").read_text()) for rank in range(topology.world_size)]
+
+
+class TinyMLP(L.LightningModule):
+    """An MLP classifier as pipeline layers; the same code trains on one device or as pipeline stages."""
+
+    def __init__(self, lr: float = 0.02, step_size: int = 5) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        pairs = zip(WIDTHS[:-1], WIDTHS[1:], strict=True)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in pairs)
+        self.layers[-1] = nn.Linear(WIDTHS[-2], CLASSES)
+        self.example_input_array = torch.zeros(2, FEATURES)
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return list(self.layers)
+
+    def pipeline_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(outputs, targets)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            inputs = layer(inputs)
+        return inputs
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.pipeline_loss(self(batch[0]), batch[1])
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self.pipeline_loss(self(batch[0]), batch[1]), sync_dist=True)
+
+    def configure_optimizers(self) -> dict:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=self.hparams.step_size, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def tiny_dataset(samples: int) -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(samples, FEATURES, generator=generator)
+    targets = (inputs[:, :CLASSES] + 0.5 * torch.randn(samples, CLASSES, generator=generator)).argmax(dim=1)
+    return TensorDataset(inputs, targets)
+
+
+def tiny_loader(
+    samples: int, batch_size: int, shuffle: bool = True, single_process_seed: int | None = None
+) -> DataLoader:
+    """Batches of `tiny_dataset`.
+
+    `single_process_seed`: on one process, the order Lightning's seeded DistributedSampler gives a job's DP replicas
+    together, so that one batch here is their global batch.
+    """
+    dataset = tiny_dataset(samples)
+    if single_process_seed is None:
+        return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=True)
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=single_process_seed)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
+
+
+class LossRecorder(L.Callback):
+    """The loss Lightning receives from each training step (what `training_step` returned)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, *args: Any) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def _main(target: str, kwargs: str, out: str) -> None:
+    module_name, function_name = target.split(":")
+    result = getattr(importlib.import_module(module_name), function_name)(**json.loads(kwargs))
+    Path(out, f"rank{os.environ['RANK']}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    _main(*sys.argv[1:])

@@ -1,0 +1,125 @@
+"""HolmesStrategy pp=2 x dp=2 (4 gloo processes) trains exactly like one process on the same global batch.
+
+One launch runs every case in turn; each case's per-step losses must match single-process training within 1e-4
+relative (fp32), with AdamW, a step LR schedule and gradient clipping that is active (so the clipping norm has to
+span both stages).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import lightning as L
+import pytest
+from distributed import LossRecorder, TinyMLP, run_ranks, tiny_loader
+
+SEED, STEPS, GLOBAL_BATCH, MICROBATCHES, DP = 7, 20, 16, 4, 2
+VAL_SAMPLES, VAL_BATCHES, CLIP = 64, 2, 0.3
+CASES: dict[str, dict[str, Any]] = {
+    "gpipe_auto": {"schedule": "GPipe", "partition": "auto"},
+    "gpipe_uniform": {"schedule": "GPipe", "partition": "uniform"},
+    "1f1b_auto": {"schedule": "1F1B", "partition": "auto", "validate": True},
+    "1f1b_uniform": {"schedule": "1F1B", "partition": "uniform"},
+    "interleaved_1f1b": {"schedule": "Interleaved1F1B", "partition": "uniform"},
+    "1f1b_replicated_accumulate_2": {"schedule": "1F1B", "partition": "auto", "sharding": "none", "accumulate": 2},
+}
+
+
+def _trainer(max_steps: int, accumulate: int, validate: bool, **kwargs: Any) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=CLIP,
+        limit_val_batches=VAL_BATCHES if validate else 0,
+        val_check_interval=10 if validate else None,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+def train_cases(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Rank side: fit every case with HolmesStrategy; per case the losses, partition and logged metrics."""
+    from holmes_lightning import HolmesStrategy
+
+    results = {}
+    for name, case in cases.items():
+        L.seed_everything(SEED)
+        model, recorder = TinyMLP(), LossRecorder()
+        accumulate = case.get("accumulate", 1)
+        strategy = HolmesStrategy(
+            cluster="two_cluster_mixed",
+            schedule=case["schedule"],
+            partition=case["partition"],
+            sharding=case.get("sharding", "fsdp"),
+            pp=2,
+            dp=DP,
+            global_batch=GLOBAL_BATCH,
+            microbatches=MICROBATCHES,
+            timeout=120,
+        )
+        validate = case.get("validate", False)
+        trainer = _trainer(
+            STEPS // accumulate, accumulate, validate, devices=1, num_nodes=4, strategy=strategy, callbacks=[recorder]
+        )
+        per_replica = GLOBAL_BATCH // DP
+        val_loader = tiny_loader(VAL_SAMPLES, per_replica, shuffle=False)
+        trainer.fit(model, tiny_loader(STEPS * GLOBAL_BATCH, per_replica), val_loader if validate else None)
+        metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
+        revalidated = trainer.validate(model, val_loader, verbose=False)[0] if validate else {}
+        results[name] = {
+            "losses": recorder.losses,
+            "chunks": [stage.chunks for stage in strategy.plan.stages],
+            "metrics": metrics,
+            "revalidated": revalidated,
+        }
+    return results
+
+
+@cache
+def single_process(accumulate: int = 1, validate: bool = False) -> dict[str, Any]:
+    L.seed_everything(SEED)
+    model, recorder = TinyMLP(), LossRecorder()
+    trainer = _trainer(STEPS // accumulate, accumulate, validate, devices=1, callbacks=[recorder])
+    loader = tiny_loader(STEPS * GLOBAL_BATCH, GLOBAL_BATCH, single_process_seed=SEED)
+    val_loader = tiny_loader(VAL_SAMPLES, GLOBAL_BATCH, shuffle=False)
+    trainer.fit(model, loader, val_loader if validate else None)
+    metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
+    revalidated = trainer.validate(model, val_loader, verbose=False)[0] if validate else {}
+    return {"losses": recorder.losses, "metrics": metrics, "revalidated": revalidated}
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict[str, Any]]:
+    return run_ranks("test_equivalence:train_cases", cases=CASES, timeout_s=600)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CASES)
+def test_losses_match_single_process(name: str, ranks: list[dict[str, Any]]) -> None:
+    reference = single_process(CASES[name].get("accumulate", 1))["losses"]
+    assert len(reference) == STEPS
+    for rank, result in enumerate(ranks):
+        assert result[name]["losses"] == pytest.approx(reference, rel=1e-4), f"rank {rank}"
+
+
+@pytest.mark.slow
+def test_auto_partition_differs_from_uniform(ranks: list[dict[str, Any]]) -> None:
+    """The model's first layers are the expensive ones: the planner gives stage 0 fewer layers than uniform."""
+    assert ranks[0]["1f1b_uniform"]["chunks"] == [[[0, 3]], [[3, 6]]]
+    assert ranks[0]["1f1b_auto"]["chunks"] != ranks[0]["1f1b_uniform"]["chunks"]
+    assert [len(chunks) for chunks in ranks[0]["interleaved_1f1b"]["chunks"]] == [2, 2]
+
+
+@pytest.mark.slow
+def test_logged_losses_reach_every_rank_and_match(ranks: list[dict[str, Any]]) -> None:
+    reference = single_process(validate=True)
+    for result in (r["1f1b_auto"] for r in ranks):
+        assert result["metrics"]["train_loss"] == pytest.approx(reference["losses"][-1], rel=1e-4)
+        assert result["metrics"]["val_loss"] == pytest.approx(reference["metrics"]["val_loss"], rel=1e-4)
+        assert result["revalidated"]["val_loss"] == pytest.approx(reference["revalidated"]["val_loss"], rel=1e-4)
