@@ -146,22 +146,35 @@ class Topology:
     def device_tflops(self, rank: int) -> float:
         return self.node_of(rank).device_tflops
 
+    def link_class(self, a: int, b: int, rdma: bool = True) -> str:
+        """The name of the link two ranks use, the key of `measured` and of the probe's output.
+
+        One of `intra_node`, `rdma:<cluster>`, `tcp:<cluster>` (a cluster without RDMA) or `inter_cluster`.
+        """
+        node_a, node_b = self.node_of(a), self.node_of(b)
+        if node_a.index == node_b.index:
+            return "intra_node"
+        if node_a.cluster == node_b.cluster:  # one cluster has one NIC kind: its own fabric
+            if node_a.nic.is_rdma and rdma:
+                return f"rdma:{node_a.cluster}"
+            if not node_a.nic.is_rdma:
+                return f"tcp:{node_a.cluster}"
+        return "inter_cluster"
+
     def link(self, a: int, b: int, rdma: bool = True) -> Link:
         """The link two ranks communicate over, with its bandwidth (measured where a probe gave one).
 
         `rdma=False` is a communicator forced onto TCP sockets (NCCL's "Socket" net, as a NIC-unaware job must use
         when IB and RoCE nodes share a communicator): then only the Ethernet network carries the traffic.
         """
-        node_a, node_b = self.node_of(a), self.node_of(b)
-        if node_a.index == node_b.index:
-            return Link(LinkKind.INTRA_NODE, self.measured.get("intra_node", self.spec.intra_node.gbps))
-        fabric = min(node_a.nic_gbps, node_b.nic_gbps)
-        if node_a.cluster == node_b.cluster:  # one cluster has one NIC kind: its own fabric
-            if node_a.nic.is_rdma and rdma:
-                return Link(LinkKind.RDMA, self.measured.get(f"rdma:{node_a.cluster}", fabric))
-            if not node_a.nic.is_rdma:
-                return Link(LinkKind.TCP, self.measured.get(f"tcp:{node_a.cluster}", fabric))
-        return Link(LinkKind.TCP, self.measured.get("inter_cluster", min(fabric, self.spec.inter_cluster.gbps)))
+        key = self.link_class(a, b, rdma)
+        fabric = min(self.node_of(a).nic_gbps, self.node_of(b).nic_gbps)
+        if key == "intra_node":
+            return Link(LinkKind.INTRA_NODE, self.measured.get(key, self.spec.intra_node.gbps))
+        if key == "inter_cluster":
+            return Link(LinkKind.TCP, self.measured.get(key, min(fabric, self.spec.inter_cluster.gbps)))
+        kind = LinkKind.RDMA if key.startswith("rdma:") else LinkKind.TCP
+        return Link(kind, self.measured.get(key, fabric))
 
     def slowest_link(self, ranks: tuple[int, ...] | list[int], rdma: bool = True) -> Link:
         """The bottleneck link of a collective over these ranks (a ring is as fast as its slowest hop)."""

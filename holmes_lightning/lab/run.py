@@ -1,0 +1,82 @@
+"""`run_in_lab`: start a job's ranks inside an emulated network of its Topology, and always take the network down."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+from holmes_lightning.lab.network import DEVICE, LabUnavailable, build_network, remove_namespaces, unavailable_reason
+from holmes_lightning.lab.plan import BANDWIDTH_SCALE_ENV, LabPlan, describe, format_scale, plan_lab
+from holmes_lightning.lab.scale import default_bandwidth_scale
+from holmes_lightning.launch import launch
+from holmes_lightning.runtime.environment import FABRIC_ADDRESS_ENV, NODE_ADDRESS_ENV
+from holmes_lightning.topology import Topology
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def node_env(plan: LabPlan, node: int) -> dict[str, str]:
+    """What a rank on `node` needs: its two addresses, gloo's default device on eth0, and the scale in use."""
+    lab_node = plan.nodes[node]
+    return {
+        NODE_ADDRESS_ENV: lab_node.ethernet,
+        FABRIC_ADDRESS_ENV: lab_node.fabric or "",  # empty: no RDMA NIC, the environment falls back to the node's
+        "GLOO_SOCKET_IFNAME": DEVICE,  # the world group listens on the Ethernet address (eth0's first)
+        BANDWIDTH_SCALE_ENV: repr(plan.bandwidth_scale),
+    }
+
+
+@contextmanager
+def _torn_down(plan: LabPlan) -> Iterator[None]:
+    """SIGTERM ends the run like Ctrl-C does; on any exit the namespaces go, with stop signals held back meanwhile."""
+
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, stop) if in_main_thread else None
+    try:
+        yield
+    finally:
+        if in_main_thread:
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            remove_namespaces(plan.namespaces)
+        finally:
+            if in_main_thread:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def run_in_lab(topology: Topology, command: Sequence[str], bandwidth_scale: float | None = None) -> int:
+    """Run `command` once per rank, each node's ranks inside that node's namespace; returns the job's exit code.
+
+    `bandwidth_scale` maps real link speeds to lab speeds (None: chosen from this CPU, see `lab.scale`). Without
+    root or network namespaces the job runs on plain loopback instead, after a one-line notice.
+    """
+    reason = unavailable_reason()
+    if reason is None:
+        scale, why = (bandwidth_scale, "lab.bandwidth_scale") if bandwidth_scale else default_bandwidth_scale(topology)
+        plan = plan_lab(topology, scale)
+        try:
+            with _torn_down(plan):
+                build_network(plan)
+                print(
+                    f"holmes lab: {len(plan.nodes)} nodes of {topology.name!r} in namespaces {plan.bridge[:-2]}*, "
+                    f"bandwidth_scale={format_scale(scale)} ({why})\n{describe(plan)}",
+                    flush=True,
+                )
+                return launch(
+                    command,
+                    topology,
+                    master_addr=plan.nodes[0].ethernet,
+                    node_prefix=lambda node: ["ip", "netns", "exec", plan.nodes[node].namespace],
+                    node_env=lambda node: node_env(plan, node),
+                )
+        except LabUnavailable as err:
+            reason = str(err)
+    print(f"holmes lab: unavailable ({reason}); running on plain loopback, links not shaped", file=sys.stderr)
+    return launch(command, topology)

@@ -1,0 +1,60 @@
+"""The default `bandwidth_scale`: slow every link by the factor this CPU is slower than the cluster's devices.
+
+A real step's balance is device FLOP/s against link bytes/s (an A100 does 312 TFLOPS next to a 200 Gb/s NIC). A lab
+rank is one CPU thread (OMP_NUM_THREADS=1) that computes `cpu / device` times slower, so scaling every link by the
+same factor keeps communication vs compute where the real cluster has it: a job that is network-bound there is
+network-bound here, and the gaps between layouts keep their size.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import torch
+
+from holmes_lightning.lab.plan import MAX_LAB_MBIT, format_scale
+from holmes_lightning.topology import Topology
+
+MATMUL_SIZE = 384
+
+
+def cpu_gflops(seconds: float = 0.25) -> float:
+    """Single-thread fp32 matmul throughput of this CPU, as one lab rank sees it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(MATMUL_SIZE, MATMUL_SIZE), torch.randn(MATMUL_SIZE, MATMUL_SIZE)
+        a @ b
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            a @ b
+            count += 1
+        return 2 * MATMUL_SIZE**3 * count / (time.perf_counter() - start) / 1e9
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _round_up(value: float) -> float:
+    """Up to two significant digits: 8734 -> 8800."""
+    step = 10.0 ** (math.floor(math.log10(value)) - 1)
+    return math.ceil(value / step) * step
+
+
+def default_bandwidth_scale(topology: Topology) -> tuple[float, str]:
+    """The scale, 1/N with N rounded up to two significant digits, and one line saying how it was chosen."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    share = min(1.0, cores / topology.world_size)
+    per_rank = cpu_gflops() * share
+    device_tflops = max(node.device_tflops for node in topology.nodes)
+    scale = 1 / _round_up(device_tflops * 1000 / per_rank)
+    why = (
+        f"a rank here computes {per_rank:.0f} GFLOP/s ({topology.world_size} ranks on {cores} cores), "
+        f"{format_scale(scale)} of a {device_tflops:g} TFLOPS device, so links run {format_scale(scale)} as fast"
+    )
+    fastest = max(max(n.nic_gbps for n in topology.nodes), topology.spec.inter_cluster.gbps)
+    if fastest * 1000 * scale > MAX_LAB_MBIT:
+        scale = 1 / _round_up(fastest * 1000 / MAX_LAB_MBIT)
+        why += f"; capped at {format_scale(scale)} so the fastest link stays under {MAX_LAB_MBIT:g} Mb/s"
+    return scale, why
