@@ -63,9 +63,9 @@ def _count(module: nn.Module, inputs: torch.Tensor) -> tuple[float, float, float
 
 
 def _time(module: nn.Module, inputs: torch.Tensor, repeats: int) -> tuple[float, float]:
-    """Median forward and backward seconds over `repeats` runs."""
+    """Median forward and backward seconds over `repeats` runs, after one warm-up run."""
     forwards, backwards = [], []
-    for _ in range(repeats):
+    for _ in range(repeats + 1):
         start = time.perf_counter()
         with torch.enable_grad():
             out = module(inputs)
@@ -74,4 +74,4 @@ def _time(module: nn.Module, inputs: torch.Tensor, repeats: int) -> tuple[float,
         forwards.append(middle - start)
         backwards.append(time.perf_counter() - middle)
     module.zero_grad(set_to_none=True)
-    return statistics.median(forwards), statistics.median(backwards)
+    return statistics.median(forwards[1:]), statistics.median(backwards[1:])

@@ -1,0 +1,84 @@
+"""`python -m holmes_lightning.plan`: the table, the picture, the JSON, and clear errors for bad settings."""
+
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from holmes_lightning.config import PlanJobConfig, register_configs
+from holmes_lightning.plan import run
+from holmes_lightning.planner import Plan
+from holmes_lightning.topology import config_dir
+
+register_configs()
+
+
+def composed(*overrides: str) -> PlanJobConfig:
+    with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
+        return OmegaConf.to_object(compose("plan", overrides=list(overrides)))
+
+
+def test_cli_prints_the_plan_and_the_alternatives_and_draws_them(tmp_path, capsys):
+    png, saved = tmp_path / "plan.png", tmp_path / "plan.json"
+    plans = run(composed("cluster=two_cluster_mixed", "model=gpt_7_5b", f"plan.out={png}", f"plan.json={saved}"))
+    out = capsys.readouterr().out
+    for text in (
+        "rank map",
+        "stage 0: [0, 1]",
+        "A/infiniband",
+        "B/roce",
+        "rdma 200 Gb/s",
+        "tcp 100 Gb/s",
+        "embedding..block17",
+        "nic_unaware",
+        "flat_fsdp",
+        "homogeneous",
+        "tokens/s",
+        "TFLOPS/GPU",
+    ):
+        assert text in out, text
+    assert png.stat().st_size > 20_000 and png.read_bytes()[:4] == b"\x89PNG"
+    assert Plan.from_json(saved.read_text()) == plans["holmes"]
+
+
+def test_cli_passes_strategy_and_plan_settings_through():
+    config = composed(
+        "cluster=ib_only",
+        "model=gpt_tiny",
+        "strategy.schedule=GPipe",
+        "strategy.pp=2",
+        "strategy.partition=[2,4]",
+        "data.global_batch=8",
+        "plan.dp_overlap=0",
+    )
+    holmes = run(config)["holmes"]
+    assert (holmes.schedule, holmes.pp, holmes.layers_per_stage()) == ("GPipe", 2, [2, 4])
+    assert all(stage.exposed_sync_s == pytest.approx(stage.sync_s) for stage in holmes.stages)
+
+
+def test_a_misspelled_key_is_rejected():
+    with pytest.raises(ConfigCompositionException):
+        composed("plan.outt=x.png")
+
+
+@pytest.mark.slow
+def test_module_entry_point_and_bad_input():
+    ok = subprocess.run(
+        [sys.executable, "-m", "holmes_lightning.plan", "model=gpt_tiny", "cluster=ib_only"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert "Predicted step, same cost model" in ok.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "holmes_lightning.plan", "cluster=three_cluster", "strategy.dp=3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert bad.returncode != 0
+    assert "strategy.dp=3" in bad.stderr and "use dp in [1, 2]" in bad.stderr

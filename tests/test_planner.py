@@ -1,0 +1,229 @@
+"""The Holmes planner: layouts, the partition, degrees, feasibility errors and the comparison with alternatives."""
+
+import itertools
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from holmes_lightning.config import ModelConfig
+from holmes_lightning.planner import BatchSettings, ModelProfile, Plan, PlanError, PlanOptions, compare, plan
+from holmes_lightning.planner.layout import dp_degrees, holmes_layouts
+from holmes_lightning.planner.partition import StageCost, best_partition, objective
+from holmes_lightning.topology import Topology, shipped_cluster_names
+
+GPT_7_5B = ModelProfile.from_gpt(
+    ModelConfig(name="gpt_7_5b", n_layers=36, d_model=4096, n_heads=32, seq_len=2048, vocab_size=50304)
+)
+GPT_SMALL = ModelProfile.from_gpt(ModelConfig(name="gpt_small", n_layers=10, d_model=512, n_heads=8, seq_len=256))
+
+
+def check_layout(topology: Topology, result: Plan) -> None:
+    """Every rank once, equal DP sizes, every DP group in one (cluster, NIC kind), each group's stages adjacent."""
+    ranks = [r for stage in result.stages for r in stage.ranks]
+    assert sorted(ranks) == list(range(topology.world_size))
+    assert len({len(stage.ranks) for stage in result.stages}) == 1
+    group_of = {r: (info.cluster, info.nic.value) for r, info in enumerate(topology.ranks)}
+    order = []
+    for stage in result.stages:
+        kinds = {group_of[r] for r in stage.ranks}
+        assert kinds == {(stage.cluster, stage.nic)}, "a DP group mixes clusters or NIC kinds"
+        if not order or order[-1] != kinds:
+            order.append(kinds)
+    assert len(order) == len({frozenset(k) for k in order}), "a NIC group's stages are not adjacent"
+    assert result.mesh_layout() == [list(stage.ranks) for stage in result.stages]
+    for rank in range(topology.world_size):
+        stage, index = result.coordinate(rank)
+        assert result.mesh_layout()[stage][index] == rank
+    layers = [layer for stage in sorted(result.stages, key=lambda s: s.index) for layer in stage.layers]
+    assert sorted(layers) == list(range(result.num_layers))
+
+
+@pytest.mark.parametrize("name", shipped_cluster_names())
+def test_every_shipped_config_gets_a_valid_layout(name):
+    topology = Topology.from_config(name)
+    result = plan(topology, GPT_SMALL, BatchSettings(global_batch=8 * topology.world_size))
+    check_layout(topology, result)
+    assert Plan.from_json(result.to_json()) == result
+
+
+@st.composite
+def topologies(draw):
+    clusters = [
+        {
+            "name": f"C{i}",
+            "nodes": draw(st.integers(1, 3)),
+            "devices_per_node": draw(st.sampled_from([1, 2, 4])),
+            "device_tflops": draw(st.sampled_from([100.0, 156.0, 312.0])),
+            "nic": {
+                "kind": draw(st.sampled_from(["infiniband", "roce", "ethernet"])),
+                "gbps": draw(st.sampled_from([25, 100, 200, 400])),
+            },
+        }
+        for i in range(draw(st.integers(1, 4)))
+    ]
+    return Topology.from_config(
+        {"name": "random", "clusters": clusters, "inter_cluster": {"gbps": draw(st.sampled_from([10, 100]))}}
+    )
+
+
+@settings(max_examples=30, deadline=None)
+@given(topologies())
+def test_layout_invariants_on_random_topologies(topology):
+    for dp in dp_degrees(topology):
+        for layout in holmes_layouts(topology, dp):
+            assert sorted(r for stage in layout.stages for r in stage.ranks) == list(range(topology.world_size))
+    result = plan(topology, GPT_SMALL, BatchSettings(global_batch=4 * topology.world_size))
+    check_layout(topology, result)
+
+
+def brute_force(cost, num_layers, pp, microbatches):
+    best = None
+    for cuts in itertools.combinations(range(1, num_layers), pp - 1):
+        bounds = [0, *cuts, num_layers]
+        costs = [cost(s, bounds[s], bounds[s + 1]) for s in range(pp)]
+        if any(c is None for c in costs):
+            continue
+        value = objective(costs, microbatches)
+        best = value if best is None else min(best, value)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_partition_is_optimal_against_brute_force(seed):
+    rng = random.Random(seed)
+    num_layers, pp, microbatches = rng.randint(3, 9), rng.randint(1, 4), rng.randint(1, 8)
+    pp = min(pp, num_layers)
+    work = [rng.uniform(0.1, 3.0) for _ in range(num_layers)]
+    send = [rng.uniform(0.0, 1.0) for _ in range(num_layers)]
+    params = [rng.uniform(0.0, 2.0) for _ in range(num_layers)]
+    speed = [rng.uniform(0.5, 2.0) for _ in range(pp)]
+    sync_speed = [rng.uniform(0.2, 3.0) for _ in range(pp)]
+    cap = rng.choice([None, sum(params) / pp * 1.5])
+
+    def cost(stage, start, stop):
+        if cap is not None and sum(params[start:stop]) > cap:
+            return None
+        exposed = sum(params[start:stop]) / sync_speed[stage]
+        return StageCost(sum(work[start:stop]) / speed[stage], send[stop - 1] if stage < pp - 1 else 0.0, exposed)
+
+    counts = best_partition(cost, num_layers, pp, microbatches)
+    expected = brute_force(cost, num_layers, pp, microbatches)
+    if expected is None:
+        assert counts is None
+        return
+    bounds = [0, *itertools.accumulate(counts)]
+    found = objective([cost(s, bounds[s], bounds[s + 1]) for s in range(pp)], microbatches)
+    assert found == pytest.approx(expected)
+
+
+def test_two_cluster_mixed_puts_one_stage_per_cluster_and_beats_the_alternatives():
+    topology = Topology.from_config("two_cluster_mixed")
+    plans = compare(topology, GPT_7_5B, BatchSettings(global_batch=64))
+    holmes = plans["holmes"]
+    assert holmes.pp == 2 and holmes.dp == 2
+    assert [(s.cluster, s.nic, s.dp_link) for s in holmes.stages] == [
+        ("A", "infiniband", "rdma"),
+        ("B", "roce", "rdma"),
+    ]
+    assert holmes.stages[0].send_link == "tcp"
+    for other in ("nic_unaware", "flat_fsdp"):
+        assert holmes.prediction.total_s < plans[other].prediction.total_s, other
+    assert plans["homogeneous"].prediction.total_s <= holmes.prediction.total_s
+    assert plans["nic_unaware"].stages[0].dp_link == "tcp", "IB and RoCE in one job: Megatron runs on sockets"
+    p = holmes.prediction
+    assert p.compute_s + p.dp_sync_s + p.p2p_s + p.bubble_s == pytest.approx(p.total_s)
+    assert p.tokens_per_s == pytest.approx(64 * 2048 / p.total_s)
+
+
+def test_hostname_order_mixes_kinds_for_megatron_but_not_for_holmes():
+    clusters = [
+        {"name": "A", "nodes": 2, "nic": {"kind": "infiniband", "gbps": 200}, "hostnames": ["gpu1", "gpu3"]},
+        {"name": "B", "nodes": 2, "nic": {"kind": "roce", "gbps": 200}, "hostnames": ["gpu2", "gpu4"]},
+    ]
+    topology = Topology.from_config({"name": "interleaved", "clusters": clusters})
+    plans = compare(topology, GPT_7_5B, BatchSettings(global_batch=64))
+    assert [s.ranks for s in plans["holmes"].stages] == [(0, 1), (2, 3)]
+    assert [s.ranks for s in plans["nic_unaware"].stages] == [(0, 2), (1, 3)]
+    assert plans["nic_unaware"].stages[0].nic == "infiniband+roce"
+    assert any("mix" in note for note in plans["nic_unaware"].notes)
+    assert plans["holmes"].speedup_over(plans["nic_unaware"]) > 1
+
+
+def test_a_slower_cluster_gets_fewer_layers():
+    clusters = [
+        {"name": "fast", "nodes": 2, "nic": {"kind": "infiniband", "gbps": 200}},
+        {"name": "slow", "nodes": 2, "device_tflops": 156, "nic": {"kind": "roce", "gbps": 200}},
+    ]
+    topology = Topology.from_config({"name": "mixed_speed", "clusters": clusters})
+    batch = BatchSettings(global_batch=64)
+    holmes = plan(topology, GPT_7_5B, batch, PlanOptions(pp=2))
+    layers = {stage.cluster: len(stage.layers) for stage in holmes.stages}
+    assert layers["slow"] < layers["fast"]
+    uniform = plan(topology, GPT_7_5B, batch, PlanOptions(pp=2, partition="uniform"))
+    assert holmes.prediction.total_s < uniform.prediction.total_s
+    three = plan(Topology.from_config("three_cluster"), GPT_7_5B, batch)
+    per_cluster = {}
+    for stage in three.stages:
+        per_cluster.setdefault(stage.cluster, []).append(len(stage.layers))
+    assert min(per_cluster["A"]) > max(per_cluster["C"]), per_cluster
+
+
+def test_stage_order_keeps_the_slowest_link_at_one_boundary():
+    three = plan(Topology.from_config("three_cluster"), GPT_7_5B, BatchSettings(global_batch=64))
+    clusters = [s.cluster for s in three.stages]
+    assert clusters[0] == "C" or clusters[-1] == "C", clusters  # C (25 Gb/s) touches only one stage boundary
+
+
+def test_explicit_degrees_partition_and_interleaving():
+    topology = Topology.from_config("ib_only")
+    result = plan(topology, GPT_SMALL, BatchSettings(16), PlanOptions(pp=2, partition=[5, 7]))
+    assert (result.pp, result.dp, result.layers_per_stage(), result.partition) == (2, 2, [5, 7], "explicit")
+    interleaved = plan(
+        topology, GPT_SMALL, BatchSettings(16, microbatches=4), PlanOptions(pp=4, schedule="Interleaved1F1B")
+    )
+    assert all(len(stage.chunks) == 2 for stage in interleaved.stages)
+    starts = sorted(
+        (start, stage.index, j) for stage in interleaved.stages for j, (start, _) in enumerate(stage.chunks)
+    )
+    assert [(s, j) for _, s, j in starts] == [(s, j) for j in range(2) for s in range(4)]  # virtual stage s + j * pp
+    gpipe = plan(topology, GPT_SMALL, BatchSettings(16), PlanOptions(schedule="GPipe", pp=4))
+    assert gpipe.schedule == "GPipe" and gpipe.pp == 4
+
+
+@pytest.mark.parametrize(
+    ("cluster", "batch", "options", "expected"),
+    [
+        ("three_cluster", BatchSettings(64), PlanOptions(dp=4), ["strategy.dp=4", "NIC groups", "use dp in [1, 2]"]),
+        ("three_cluster", BatchSettings(64), PlanOptions(pp=3), ["strategy.pp=3", "does not divide"]),
+        ("ib_only", BatchSettings(64), PlanOptions(pp=2, dp=4), ["strategy.pp=2 x strategy.dp=4", "has 4"]),
+        ("ib_only", BatchSettings(16, microbatches=3), PlanOptions(pp=2), ["strategy.microbatches=3", "[1, 2, 4, 8]"]),
+        ("ib_only", BatchSettings(2), PlanOptions(pp=4), ["1F1B needs microbatches >= stages", "GPipe"]),
+        ("ib_only", BatchSettings(6), PlanOptions(dp=4), ["data.global_batch=6", "multiple of 4"]),
+        ("ib_only", BatchSettings(16), PlanOptions(schedule="ZBV"), ["strategy.schedule='ZBV'", "GPipe, 1F1B"]),
+        ("ib_only", BatchSettings(16), PlanOptions(partition=[1, 2]), ["strategy.partition=[1, 2]", "sum to"]),
+        ("ib_only", BatchSettings(16), PlanOptions(pp=4, partition=[6, 6]), ["lists 2 stages", "pp=4"]),
+        ("ib_only", BatchSettings(16), PlanOptions(efficiency=1.5), ["plan.efficiency=1.5"]),
+        ("ib_only", BatchSettings(64), PlanOptions(memory_limit_gb=1.0), ["plan.memory_limit_gb=1.0"]),
+    ],
+)
+def test_infeasible_requests_name_the_setting_and_a_fix(cluster, batch, options, expected):
+    with pytest.raises(PlanError) as caught:
+        plan(Topology.from_config(cluster), GPT_SMALL if "memory" not in expected[0] else GPT_7_5B, batch, options)
+    for text in expected:
+        assert text in str(caught.value)
+
+
+def test_more_stages_than_layers_is_an_error():
+    tiny = ModelProfile.from_gpt(ModelConfig(n_layers=1, d_model=64, n_heads=4, seq_len=32))
+    with pytest.raises(PlanError, match=r"pp=4 stages x 1 chunk\(s\) need 4 layers but 'gpt_tiny' has 3"):
+        plan(Topology.from_config("ib_only"), tiny, BatchSettings(16), PlanOptions(pp=4))
+
+
+def test_memory_limit_pushes_the_plan_to_more_stages():
+    topology = Topology.from_config("paper_4ib_4roce")
+    free = plan(topology, GPT_7_5B, BatchSettings(512))
+    limited = plan(topology, GPT_7_5B, BatchSettings(512), PlanOptions(memory_limit_gb=free.prediction.memory_gb * 0.6))
+    assert limited.prediction.memory_gb <= free.prediction.memory_gb * 0.6
+    assert limited.pp > free.pp

@@ -1,0 +1,57 @@
+"""Model profiles: measured with FlopCounterMode on the recipe's GPT, and analytic from a model config."""
+
+import pytest
+import torch
+
+from holmes_lightning.config import ModelConfig
+from holmes_lightning.planner import BatchSettings, ModelProfile, PlanOptions, plan
+from holmes_lightning.topology import Topology
+from recipes.gpt import GPT
+
+SHAPE = {"n_layers": 2, "d_model": 64, "n_heads": 4, "seq_len": 32, "vocab_size": 256}
+
+
+@pytest.fixture(scope="module")
+def measured() -> ModelProfile:
+    torch.manual_seed(0)
+    model = GPT(**SHAPE)
+    return ModelProfile.from_modules(model.pipeline_layers(), torch.randint(0, 256, (2, 32)), "gpt", time_repeats=2)
+
+
+def test_measured_and_analytic_profiles_agree(measured):
+    analytic = ModelProfile.from_gpt(ModelConfig(**SHAPE), bytes_per_value=4)
+    assert measured.num_layers == analytic.num_layers == SHAPE["n_layers"] + 2
+    assert [layer.name.split(":")[1] for layer in measured.layers] == ["Embedding", "Block", "Block", "Head"]
+    assert [la.param_bytes for la in measured.layers] == [la.param_bytes for la in analytic.layers]
+    assert [la.activation_bytes for la in measured.layers] == [la.activation_bytes for la in analytic.layers]
+    assert measured.tokens_per_sample == analytic.tokens_per_sample == 32
+    s, h = SHAPE["seq_len"], SHAPE["d_model"]
+    attention_scores = 4 * s * s * h  # CPU's fused scaled_dot_product_attention is not counted by FlopCounterMode
+    for ours, theirs in zip(measured.layers[1:], analytic.layers[1:], strict=True):
+        is_block = ours.name.endswith("Block")
+        assert ours.forward_flops == theirs.forward_flops - (attention_scores if is_block else 0)
+        assert ours.backward_flops == 2 * ours.forward_flops
+    assert all(la.stash_bytes > 0 for la in measured.layers)
+
+
+def test_measured_seconds_drive_the_plan(measured):
+    assert all(layer.measured and layer.forward_s > 0 and layer.backward_s > 0 for layer in measured.layers)
+    clusters = [
+        {"name": "A", "nodes": 1, "nic": {"kind": "infiniband", "gbps": 200}},
+        {"name": "B", "nodes": 1, "device_tflops": 156, "nic": {"kind": "roce", "gbps": 200}},
+    ]
+    topology = Topology.from_config({"name": "cpu_lab", "device_tflops": 312, "clusters": clusters})
+    result = plan(topology, measured, BatchSettings(4), PlanOptions(partition="uniform", pp=2))
+    for stage in result.stages:
+        (start, stop), slowdown = stage.chunks[0], 312 / stage.device_tflops  # B's devices take twice as long
+        seconds = sum(layer.forward_s for layer in measured.layers[start:stop]) * slowdown * result.microbatch_size
+        assert stage.forward_s[0] == pytest.approx(seconds)
+    assert {stage.device_tflops for stage in result.stages} == {312, 156}
+
+
+def test_analytic_gpt_7_5b_size():
+    profile = ModelProfile.from_gpt(
+        ModelConfig(name="gpt_7_5b", n_layers=36, d_model=4096, n_heads=32, seq_len=2048, vocab_size=50304)
+    )
+    assert profile.param_bytes / 2 == pytest.approx(7.66e9, rel=0.01)  # bf16 weights of ~7.7B parameters
+    assert profile.flops_per_sample == pytest.approx(6 * 7.66e9 * 2048, rel=0.1)  # ~6 N per token
