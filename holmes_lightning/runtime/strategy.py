@@ -34,6 +34,7 @@ from torch.optim import Optimizer
 from holmes_lightning import planner
 from holmes_lightning.planner import SCHEDULES, BatchSettings, LayerProfile, ModelProfile, Plan, PlanOptions
 from holmes_lightning.planner.planner import LAYOUTS
+from holmes_lightning.planner.report import format_plan
 from holmes_lightning.runtime import checkpoint
 from holmes_lightning.runtime.environment import NICGroupingEnvironment
 from holmes_lightning.runtime.groups import PlanMesh, build_mesh
@@ -138,7 +139,6 @@ class HolmesStrategy(ModelParallelStrategy):
         self.topology = self.cluster_environment.exchange()
         if self.plan_mesh is None:
             self.plan = self._agree_on_plan()
-            rank_zero_info(_describe(self.plan))
             backend = self._get_process_group_backend()
             self.plan_mesh = build_mesh(
                 self.plan, self.topology, self.cluster_environment, self.root_device.type, backend, self._timeout
@@ -161,50 +161,62 @@ class HolmesStrategy(ModelParallelStrategy):
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
 
     def _agree_on_plan(self) -> Plan:
-        """Rank 0 plans (profiling the model once) and every rank gets its Plan, or its error."""
-        if self.plan is not None:
-            self._check_given_plan(self.plan)
-            return self.plan
-        outcome: str | Exception | None = None
+        """Rank 0 profiles the model once and plans (or checks the given plan); every rank gets it, or its error."""
+        outcome: tuple[str, str] | Exception | None = None
         if self.global_rank == 0:
             try:
-                outcome = self._make_plan().to_json()
+                profile = self._profile()
+                chosen = self._check_given_plan(self.plan) if self.plan else self._make_plan(profile)
+                outcome = (chosen.to_json(), format_plan(chosen, profile))
             except Exception as error:  # any failure must reach the other ranks, or they wait for the plan forever
                 outcome = error
         outcome = self.broadcast(outcome)
         if isinstance(outcome, Exception):
             raise outcome
-        return Plan.from_json(outcome)
+        plan_json, description = outcome
+        rank_zero_info(description)
+        return Plan.from_json(plan_json)
 
-    def _check_given_plan(self, given: Plan) -> None:
+    def _profile(self) -> ModelProfile:
+        """The given profile, or `pipeline_layers()` measured on `example_input_array` (one layer without them)."""
+        module = self.lightning_module
+        assert module is not None
+        if self.profile is not None:
+            return self.profile
+        if missing_contract(module):
+            param_bytes = float(sum(p.numel() * p.element_size() for p in module.parameters()))
+            return ModelProfile(type(module).__name__, (LayerProfile("model", 0.0, 0.0, param_bytes, 0.0, 0.0),), 1)
+        sample = module.example_input_array
+        if not torch.is_tensor(sample):
+            raise ValueError(
+                f"HolmesStrategy profiles {type(module).__name__}.pipeline_layers() on one batch of inputs: set "
+                f"`self.example_input_array = <input tensor, samples first>` in __init__, or pass "
+                f"HolmesStrategy(profile=ModelProfile...)"
+            )
+        return ModelProfile.from_modules(module.pipeline_layers(), sample, name=type(module).__name__)
+
+    def _check_given_plan(self, given: Plan) -> Plan:
         assert self.topology is not None
         if given.world_size != self.topology.world_size:
             raise ValueError(
                 f"plan= has {given.pp} stages x {given.dp} ranks = {given.world_size} ranks, but cluster "
                 f"{self.topology.name!r} has {self.topology.world_size}; plan for this cluster"
             )
+        return given
 
-    def _make_plan(self) -> Plan:
+    def _make_plan(self, profile: ModelProfile) -> Plan:
         assert self.topology is not None and self.lightning_module is not None
-        module = self.lightning_module
-        if missing_contract(module):
-            return self._flat_plan(module)
+        if missing_contract(self.lightning_module):  # pp=1: one FSDP group over every rank
+            batch = self.batch or BatchSettings(self.topology.world_size)
+            options = replace(self.options, layout="flat_fsdp", pp=None, dp=None, partition="auto")
+            found = planner.plan(self.topology, profile, replace(batch, microbatches=None), options)
+            return replace(found, notes=(*found.notes, "no pipeline contract (pipeline_layers): FSDP over all ranks"))
         if self.batch is None:
             raise ValueError(
                 "HolmesStrategy(global_batch=None): the planner needs the samples per optimizer step; pass "
                 "global_batch=<sequences per step over all DP replicas>"
             )
-        return planner.plan(self.topology, self.profile or _measure(module), self.batch, self.options)
-
-    def _flat_plan(self, module: pl.LightningModule) -> Plan:
-        """A module without the pipeline contract trains with pp=1: one FSDP group over every rank."""
-        assert self.topology is not None
-        param_bytes = float(sum(p.numel() * p.element_size() for p in module.parameters()))
-        whole = ModelProfile(type(module).__name__, (LayerProfile("model", 0.0, 0.0, param_bytes, 0.0, 0.0),), 1)
-        batch = self.batch or BatchSettings(self.topology.world_size)
-        options = replace(self.options, layout="flat_fsdp", pp=None, dp=None, partition="auto")
-        found = planner.plan(self.topology, whole, replace(batch, microbatches=None), options)
-        return replace(found, notes=(*found.notes, "no pipeline contract: pp=1, FSDP over all ranks"))
+        return planner.plan(self.topology, profile, self.batch, self.options)
 
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.lightning_module is not None
@@ -343,31 +355,6 @@ def _swap_grads(params: list[nn.Parameter], grads: list[torch.Tensor | None]) ->
     for param, grad in zip(params, grads, strict=True):
         param.grad = grad
     return held
-
-
-def _measure(module: pl.LightningModule) -> ModelProfile:
-    sample = module.example_input_array
-    if not torch.is_tensor(sample):
-        raise ValueError(
-            f"HolmesStrategy profiles {type(module).__name__}.pipeline_layers() on one batch of inputs: set "
-            f"`self.example_input_array = <input tensor, samples first>` in __init__, or pass "
-            f"HolmesStrategy(profile=ModelProfile...)"
-        )
-    return ModelProfile.from_modules(module.pipeline_layers(), sample, name=type(module).__name__)
-
-
-def _describe(active: Plan) -> str:
-    lines = [
-        f"Holmes plan: layout {active.layout}, {active.pp} stages x {active.dp} DP, schedule {active.schedule}, "
-        f"{active.microbatches} micro-batches of {active.microbatch_size}, predicted "
-        f"{active.prediction.total_s * 1e3:.2f} ms/step"
-    ]
-    for stage in active.stages:
-        lines.append(
-            f"  stage {stage.index}: ranks {list(stage.ranks)} {stage.cluster}/{stage.nic} layers {stage.chunks} "
-            f"DP over {stage.dp_link}"
-        )
-    return "\n".join([*lines, *(f"  note: {note}" for note in active.notes)])
 
 
 def _check_arguments(schedule: str, sharding: str, layout: str, **counts: int | None) -> None:

@@ -1,0 +1,188 @@
+"""HolmesStrategy in Lightning: argument and contract errors, transports, checkpoint resume, pp=1 without the contract.
+
+The multi-process cases share one 4-rank launch on two_cluster_mixed, with every group bound to 127.0.0.1 through
+the address-bound gloo backend (as the lab binds them to each node's addresses).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from distributed import LossRecorder, TinyMLP, run_ranks, tiny_loader
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+
+from holmes_lightning import HolmesStrategy
+from holmes_lightning.planner import Plan, StagePlan, StepPrediction
+from holmes_lightning.runtime.pipeline import ContractError
+
+SEED, GLOBAL_BATCH, STEPS_PER_EPOCH = 3, 16, 3
+
+
+class PlainMLP(L.LightningModule):
+    """An ordinary LightningModule: no pipeline_layers / pipeline_loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=0.02)
+
+
+def permuted_plan() -> Plan:
+    """RoCE ranks first, each DP group in descending rank order: nothing may assume IB first or sorted ranks."""
+    stages = (StagePlan(0, (3, 2), ((0, 3),), "B", "roce"), StagePlan(1, (1, 0), ((3, 6),), "A", "infiniband"))
+    return Plan("holmes", "1F1B", stages, 4, 2, StepPrediction(0.0, 0.0, 0.0, 0.0, 0.0), num_layers=6)
+
+
+def _fit(
+    model: L.LightningModule,
+    strategy: Any,
+    max_steps: int,
+    loader: Any,
+    ckpt_path: str | None = None,
+    saver: ModelCheckpoint | None = None,
+) -> list[float]:
+    """Fit on 4 ranks (or one process with strategy="auto") and return the loss of every training step."""
+    recorder = LossRecorder()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        num_nodes=1 if strategy == "auto" else 4,
+        strategy=strategy,
+        max_steps=max_steps,
+        gradient_clip_val=0.3,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=saver is not None,
+        callbacks=[recorder] if saver is None else [recorder, saver],
+    )
+    trainer.fit(model, loader, ckpt_path=ckpt_path)
+    return recorder.losses
+
+
+def strategy_cases(checkpoint_dir: str) -> dict[str, Any]:
+    """Rank side: train, checkpoint, resume on the same and on another plan, and train a plain module with pp=1."""
+    samples, per_replica = STEPS_PER_EPOCH * GLOBAL_BATCH, GLOBAL_BATCH // 2
+    common = {"cluster": "two_cluster_mixed", "global_batch": GLOBAL_BATCH, "microbatches": 4, "timeout": 120}
+    L.seed_everything(SEED)
+    strategy = HolmesStrategy(plan=permuted_plan(), **common)
+    saver = ModelCheckpoint(dirpath=checkpoint_dir, filename="{step}", every_n_train_steps=3, save_top_k=-1)
+    uninterrupted = _fit(TinyMLP(), strategy, 2 * STEPS_PER_EPOCH, tiny_loader(samples, per_replica), saver=saver)
+    mesh = strategy.plan_mesh
+    transports = {
+        "dp_backend": torch.distributed.get_backend(mesh.dp_mesh.get_group()),
+        "dp": [mesh.dp_transport.link.value, mesh.dp_transport.address],
+        "pp": [mesh.pp_transport.link.value, mesh.pp_transport.address],
+        "coordinate": [mesh.stage, mesh.dp_index],
+    }
+    resumed = {}
+    for name, strategy in {
+        "same_plan": HolmesStrategy(plan=permuted_plan(), **common),
+        "other_plan": HolmesStrategy(pp=2, dp=2, partition="auto", **common),
+    }.items():
+        L.seed_everything(SEED)
+        loader, step3 = tiny_loader(samples, per_replica), f"{checkpoint_dir}/step=3.ckpt"
+        losses = _fit(TinyMLP(), strategy, 2 * STEPS_PER_EPOCH, loader, step3)
+        resumed[name] = {"losses": losses, "chunks": [s.chunks for s in strategy.plan.stages]}
+    L.seed_everything(SEED)
+    plain = HolmesStrategy(cluster="two_cluster_mixed", timeout=120)
+    plain_losses = _fit(PlainMLP(), plain, STEPS_PER_EPOCH, tiny_loader(samples, GLOBAL_BATCH // 4))
+    return {
+        "uninterrupted": uninterrupted,
+        "transports": transports,
+        "resumed": resumed,
+        "plain": {"losses": plain_losses, "pp": plain.plan.pp, "dp": plain.plan.dp},
+        "checkpoints": sorted(p.name for p in Path(checkpoint_dir).iterdir()),
+        "step3": sorted(p.name for p in Path(checkpoint_dir, "step=3.ckpt").iterdir()),
+    }
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    checkpoint_dir = str(tmp_path_factory.mktemp("checkpoints"))
+    return run_ranks(
+        "test_strategy:strategy_cases", env={"HOLMES_NODE_ADDRESS": "127.0.0.1"}, checkpoint_dir=checkpoint_dir
+    )
+
+
+@pytest.mark.slow
+def test_groups_bind_to_the_node_address_on_their_fabric(ranks: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(ranks):
+        transports = result["transports"]
+        assert transports["dp_backend"] == "holmes_gloo"
+        assert transports["dp"] == ["rdma", "127.0.0.1"]  # each stage's DP group sits inside one RDMA cluster
+        assert transports["pp"] == ["tcp", "127.0.0.1"]  # stage boundaries cross from RoCE to InfiniBand
+        assert tuple(transports["coordinate"]) == permuted_plan().coordinate(rank)
+
+
+@pytest.mark.slow
+def test_checkpoints_are_sharded_and_published_whole(ranks: list[dict[str, Any]]) -> None:
+    result = ranks[0]
+    assert result["checkpoints"] == ["step=3.ckpt", "step=6.ckpt"]  # no staging directory left behind
+    assert {".metadata", "meta.pt", "plan.json"} <= set(result["step3"])
+    assert sum(name.endswith(".distcp") for name in result["step3"]) == 4  # one shard file per rank
+
+
+@pytest.mark.slow
+def test_resume_continues_the_uninterrupted_run(ranks: list[dict[str, Any]]) -> None:
+    for result in ranks:
+        after = result["uninterrupted"][STEPS_PER_EPOCH:]
+        assert result["resumed"]["same_plan"]["losses"] == pytest.approx(after, rel=1e-6)
+        other = result["resumed"]["other_plan"]
+        assert other["chunks"] != [list(map(list, s.chunks)) for s in permuted_plan().stages]
+        assert other["losses"] == pytest.approx(after, rel=1e-4)  # shards are keyed by name: any plan reads them
+
+
+@pytest.mark.slow
+def test_plain_module_trains_with_fsdp_over_all_ranks(ranks: list[dict[str, Any]]) -> None:
+    L.seed_everything(SEED)
+    loader = tiny_loader(STEPS_PER_EPOCH * GLOBAL_BATCH, GLOBAL_BATCH, single_process_seed=SEED)
+    reference = _fit(PlainMLP(), "auto", STEPS_PER_EPOCH, loader)
+    assert all((result["plain"]["pp"], result["plain"]["dp"]) == (1, 4) for result in ranks)
+    per_rank = torch.tensor([result["plain"]["losses"] for result in ranks])  # each rank's own quarter of the batch
+    assert per_rank.mean(dim=0).tolist() == pytest.approx(reference, rel=1e-4)
+
+
+def test_pipeline_without_the_contract_says_what_to_add() -> None:
+    with pytest.raises(ContractError, match=r"PlainMLP to define pipeline_layers and pipeline_loss: add `def"):
+        HolmesStrategy(cluster="two_cluster_mixed", pp=2).connect(PlainMLP())
+
+
+def test_batches_must_be_inputs_and_targets() -> None:
+    from holmes_lightning.runtime.pipeline import split_batch
+
+    with pytest.raises(ContractError, match="batches of the form \\(inputs, targets\\)"):
+        split_batch({"inputs": torch.zeros(2)})
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"schedule": "ZBVZeroBubble"}, r"schedule='ZBVZeroBubble'\): use one of GPipe, 1F1B, Interleaved1F1B"),
+        ({"sharding": "zero3"}, r"sharding='zero3'\): use one of fsdp, none"),
+        ({"layout": "megatron"}, r"layout='megatron'\): use one of holmes, nic_unaware, flat_fsdp"),
+        ({"pp": 0}, r"pp=0\): use a positive integer"),
+        ({"microbatches": 2.5}, r"microbatches=2.5\): use a positive integer"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(arguments: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        HolmesStrategy(cluster="two_cluster_mixed", **arguments)
+
+
+def test_strategy_name_is_registered() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert StrategyRegistry["holmes"]["strategy"] is HolmesStrategy
