@@ -224,6 +224,11 @@ def test_more_stages_than_layers_is_an_error():
 def test_memory_limit_pushes_the_plan_to_more_stages():
     topology = Topology.from_config("paper_4ib_4roce")
     free = plan(topology, GPT_7_5B, BatchSettings(512))
-    limited = plan(topology, GPT_7_5B, BatchSettings(512), PlanOptions(memory_limit_gb=free.prediction.memory_gb * 0.6))
-    assert limited.prediction.memory_gb <= free.prediction.memory_gb * 0.6
+    limit = free.prediction.memory_gb * 0.6
+    limited = plan(topology, GPT_7_5B, BatchSettings(512), PlanOptions(memory_limit_gb=limit))
+    assert limited.prediction.memory_gb <= limit
     assert limited.pp > free.pp
+    plans = compare(topology, GPT_7_5B, BatchSettings(512), PlanOptions(memory_limit_gb=limit))
+    assert all(p.prediction.memory_gb <= limit for p in plans.values())
+    for name in {"uniform", "nic_unaware", "flat_fsdp", "homogeneous"} - set(plans):
+        assert any(note.startswith(f"alternative {name} is infeasible") for note in plans["holmes"].notes)

@@ -40,12 +40,12 @@ def draw_plans(plans: dict[str, Plan], topology: Topology, path: str | Path, tim
 
 def _cluster_map(axes, topology: Topology, plan: Plan) -> None:
     """One row per node, one square per GPU coloured by its stage; the node's edge colour is its NIC kind."""
-    colours = colormaps["tab20"]
+    colours = colormaps["tab10" if plan.pp <= 10 else "tab20"]
     widest = max(len(node.ranks) for node in topology.nodes)
     for row, node in enumerate(reversed(topology.nodes)):
         for column, rank in enumerate(node.ranks):
             stage, _ = plan.coordinate(rank)
-            axes.add_patch(Rectangle((column, row + 0.1), 0.9, 0.8, color=colours(stage % 20)))
+            axes.add_patch(Rectangle((column, row + 0.1), 0.9, 0.8, color=colours(stage % colours.N)))
             if widest <= 16:
                 axes.text(column + 0.45, row + 0.5, str(rank), ha="center", va="center", fontsize=7, color="white")
         edge = Rectangle((-0.08, row + 0.03), len(node.ranks) - 0.02, 0.94, fill=False, lw=2, ec=NIC_COLOURS[node.nic])
@@ -55,13 +55,14 @@ def _cluster_map(axes, topology: Topology, plan: Plan) -> None:
     axes.set_xlim(-0.3, widest + 7)
     axes.set_ylim(0, len(topology.nodes))
     axes.axis("off")
-    stages = [Patch(color=colours(s.index % 20), label=f"stage {s.index}") for s in plan.stages[:20]]
+    stages = [Patch(color=colours(s.index % colours.N), label=f"stage {s.index}") for s in plan.stages[:20]]
     nics = [
         Patch(fill=False, ec=c, lw=2, label=k)
         for k, c in NIC_COLOURS.items()
         if any(n.nic.value == k for n in topology.nodes)
     ]
-    axes.legend(handles=stages + nics, loc="upper right", fontsize=7, ncols=2, frameon=False)
+    handles = stages + nics
+    axes.legend(handles=handles, loc="upper left", bbox_to_anchor=(0, 0), fontsize=7, ncols=min(len(handles), 8))
     axes.set_title(
         f"Holmes layout: GPU squares coloured by stage, node outline by NIC (inter-cluster TCP "
         f"{topology.spec.inter_cluster.gbps:g} Gb/s)",

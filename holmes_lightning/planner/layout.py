@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from holmes_lightning.topology import Link, NICGroup, Topology
 
 MAX_ORDERED_GROUPS = 8  # beyond this many NIC groups, stages follow config order instead of a search
+MAX_TIED_ORDERS = 24  # group orders with equally fast boundaries handed on to the cost model (config order first)
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,8 @@ def holmes_layouts(topology: Topology, dp: int) -> list[Layout]:
     layouts = [Layout("holmes", tuple(s for group in order for s in _slices(group, dp))) for order in orders]
     scores = [_boundary_seconds_per_byte(topology, layout) for layout in layouts]
     best = min(scores)
-    return [layout for layout, score in zip(layouts, scores, strict=True) if score <= best * (1 + 1e-9)]
+    tied = [layout for layout, score in zip(layouts, scores, strict=True) if score <= best * (1 + 1e-9)]
+    return tied[:MAX_TIED_ORDERS]
 
 
 def megatron_layout(topology: Topology, pp: int, dp: int) -> Layout:

@@ -87,23 +87,25 @@ def compare(
     "uniform": Holmes' layout with equal layers per stage. "nic_unaware": Megatron-LM's rank order, uniform
     partition, at Holmes' degrees and micro-batches (and on TCP sockets when IB and RoCE share the job).
     "flat_fsdp": one sharding group over all ranks. "homogeneous": Holmes on the same machines with every link at
-    the fastest NIC's speed, the limit.
+    the fastest NIC's speed, the limit. An infeasible alternative is left out and named in Holmes' notes.
     """
     options = options or PlanOptions()
     holmes = plan(topology, profile, batch, options)
     same_shape = replace(options, pp=holmes.pp, dp=holmes.dp)
     fixed_batch = replace(batch, microbatches=holmes.microbatches)
-    return {
-        "holmes": holmes,
-        "uniform": plan(topology, profile, fixed_batch, replace(same_shape, partition="uniform")),
-        "nic_unaware": plan(
-            topology, profile, fixed_batch, replace(same_shape, layout="nic_unaware", partition="uniform")
-        ),
-        "flat_fsdp": plan(
-            topology, profile, batch, replace(options, layout="flat_fsdp", partition="auto", pp=None, dp=None)
-        ),
-        "homogeneous": plan(topology.homogeneous(), profile, batch, options),
+    requests = {
+        "uniform": (topology, fixed_batch, replace(same_shape, partition="uniform")),
+        "nic_unaware": (topology, fixed_batch, replace(same_shape, layout="nic_unaware", partition="uniform")),
+        "flat_fsdp": (topology, batch, replace(options, layout="flat_fsdp", partition="auto", pp=None, dp=None)),
+        "homogeneous": (topology.homogeneous(), batch, options),
     }
+    plans, skipped = {}, []
+    for name, (hardware, settings, alternative) in requests.items():
+        try:
+            plans[name] = plan(hardware, profile, settings, alternative)
+        except PlanError as err:
+            skipped.append(f"alternative {name} is infeasible: {str(err).splitlines()[-1].strip()}")
+    return {"holmes": replace(holmes, notes=holmes.notes + tuple(skipped)), **plans}
 
 
 def _check_request(profile: ModelProfile, batch: BatchSettings, options: PlanOptions) -> None:
@@ -166,12 +168,9 @@ def _layouts(topology: Topology, options: PlanOptions) -> list[Layout]:
     return [layout for d in ([wanted] if wanted else valid) for layout in holmes_layouts(topology, d)]
 
 
-def _virtual_counts(options: PlanOptions, pp: int) -> int | None:
-    """How many layer counts an explicit partition must list for `pp` stages (None if it cannot fit)."""
-    if isinstance(options.partition, str):
-        return None
-    length = len(options.partition)
-    return length if length in (pp, pp * options.chunks) else -1
+def _partition_fits(options: PlanOptions, pp: int) -> bool:
+    """An explicit partition lists one count per stage, or per virtual stage when interleaving."""
+    return isinstance(options.partition, str) or len(options.partition) in (pp, pp * options.chunks)
 
 
 def _microbatch_counts(
@@ -185,7 +184,7 @@ def _microbatch_counts(
             f"{profile.num_layers}; use fewer stages (strategy.pp) or fewer chunks (plan.chunks_per_stage)"
         )
         return []
-    if _virtual_counts(options, pp) == -1:
+    if not _partition_fits(options, pp):
         problems.append(
             f"strategy.partition={list(options.partition)} lists {len(options.partition)} stages but the plan has "
             f"pp={pp}; give {pp} counts (or set strategy.pp={len(options.partition)})"
@@ -231,11 +230,13 @@ def _plan_layout(
     microbatch_size = batch.global_batch // layout.dp // microbatches
     candidate = Candidate(layout, cost, options.schedule, options.chunks, microbatches, microbatch_size)
     limit = options.memory_limit_gb * GB if options.memory_limit_gb else None
+    fix = "use more stages (strategy.pp) or micro-batches (strategy.microbatches), or a larger limit"
+    fix += ", or sharding=fsdp" if options.sharding != "fsdp" else ""
     counts = _partition_counts(options, candidate, limit)
     if counts is None:
         problems.append(
-            f"no partition of {profile.name!r} over pp={layout.pp} fits plan.memory_limit_gb={options.memory_limit_gb} "
-            f"per device; use more stages (strategy.pp), sharding=fsdp, a larger limit, or a smaller micro-batch"
+            f"no partition of {profile.name!r} over pp={layout.pp} with {microbatches} micro-batches fits "
+            f"plan.memory_limit_gb={options.memory_limit_gb} per device; {fix}"
         )
         return None
     stages = candidate.stage_plans(counts)
@@ -243,7 +244,7 @@ def _plan_layout(
     if limit is not None and worst.memory_gb * GB > limit:
         problems.append(
             f"stage {worst.index} (ranks {list(worst.ranks)}) needs about {worst.memory_gb:.1f} GB per device, above "
-            f"plan.memory_limit_gb={options.memory_limit_gb}; use more stages or micro-batches, or sharding=fsdp"
+            f"plan.memory_limit_gb={options.memory_limit_gb}; {fix}"
         )
         return None
     return Plan(

@@ -14,7 +14,7 @@ def format_plan(plan: Plan, profile: ModelProfile) -> str:
         f"{plan.microbatch_size}, {plan.sharding}, partition {plan.partition}",
         "  rank map (row = stage = one DP group; column = dp index):",
     ]
-    lines += [f"    stage {stage.index}: {list(stage.ranks)}" for stage in plan.stages]
+    lines += [f"    stage {stage.index}: {_ranks(stage.ranks)}" for stage in plan.stages]
     header = (
         f"  {'stage':<6}{'cluster/nic':<20}{'TFLOPS':>7}  {'layers':<34}{'DP group link':<20}"
         f"{'to next':<16}{'fwd+bwd/mb':>11}{'sync':>9}{'exposed':>9}{'mem GB':>8}"
@@ -53,8 +53,8 @@ def format_comparison(plans: dict[str, Plan], reference: str = "holmes") -> str:
         layers = ",".join(map(str, plan.layers_per_stage()))
         lines.append(
             f"  {name:<13}{f'{plan.pp}x{plan.dp}':<9}{layers[:21]:<22}{plan.microbatches:>5}{p.total_s:>10.4g}"
-            f"{p.tokens_per_s:>12,.0f}{p.tflops_per_device:>12.1f}{p.compute_s:>9.3g}{p.dp_sync_s:>8.3g}"
-            f"{p.p2p_s:>8.3g}{p.bubble_s:>8.3g}  {base.speedup_over(plan):.2f}x"
+            f"{p.tokens_per_s:>12,.0f}{p.tflops_per_device:>12.1f}{_ms(p.compute_s):>9}{_ms(p.dp_sync_s):>8}"
+            f"{_ms(p.p2p_s):>8}{_ms(p.bubble_s):>8}  {base.speedup_over(plan):.2f}x"
         )
     return "\n".join(lines)
 
@@ -66,4 +66,17 @@ def _layer_range(profile: ModelProfile, start: int, stop: int) -> str:
 
 
 def _ms(seconds: float) -> str:
+    if seconds < 1e-6:
+        return "0"
     return f"{seconds * 1e3:.3g}ms" if seconds < 1 else f"{seconds:.3g}s"
+
+
+def _ranks(ranks: tuple[int, ...]) -> str:
+    """Runs of consecutive ranks as ranges: (0, 1, 2, 5) -> "0-2, 5"."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)) for run in runs)
