@@ -27,7 +27,7 @@ def test_cli_prints_the_plan_and_the_alternatives_and_draws_them(tmp_path, capsy
     out = capsys.readouterr().out
     for text in (
         "rank map",
-        "stage 0: [0, 1]",
+        "stage 0: 0, 1",
         "A/infiniband",
         "B/roce",
         "rdma 200 Gb/s",

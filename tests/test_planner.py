@@ -8,7 +8,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from holmes_lightning.config import ModelConfig
-from holmes_lightning.planner import BatchSettings, ModelProfile, Plan, PlanError, PlanOptions, compare, plan
+from holmes_lightning.planner import (
+    BatchSettings,
+    LayerProfile,
+    ModelProfile,
+    Plan,
+    PlanError,
+    PlanOptions,
+    compare,
+    plan,
+)
 from holmes_lightning.planner.layout import dp_degrees, holmes_layouts
 from holmes_lightning.planner.partition import StageCost, best_partition, objective
 from holmes_lightning.topology import Topology, shipped_cluster_names
@@ -74,6 +83,11 @@ def test_layout_invariants_on_random_topologies(topology):
     for dp in dp_degrees(topology):
         for layout in holmes_layouts(topology, dp):
             assert sorted(r for stage in layout.stages for r in stage.ranks) == list(range(topology.world_size))
+    fewest_stages = topology.world_size // max(dp_degrees(topology))
+    if fewest_stages > GPT_SMALL.num_layers:  # e.g. 13 ranks in coprime groups: 13 stages of one rank, 12 layers
+        with pytest.raises(PlanError, match=f"need {fewest_stages} layers but 'gpt_small' has 12"):
+            plan(topology, GPT_SMALL, BatchSettings(global_batch=4 * topology.world_size))
+        return
     result = plan(topology, GPT_SMALL, BatchSettings(global_batch=4 * topology.world_size))
     check_layout(topology, result)
 
@@ -219,6 +233,13 @@ def test_more_stages_than_layers_is_an_error():
     tiny = ModelProfile.from_gpt(ModelConfig(n_layers=1, d_model=64, n_heads=4, seq_len=32))
     with pytest.raises(PlanError, match=r"pp=4 stages x 1 chunk\(s\) need 4 layers but 'gpt_tiny' has 3"):
         plan(Topology.from_config("ib_only"), tiny, BatchSettings(16), PlanOptions(pp=4))
+
+
+def test_a_profile_without_costs_on_one_device_still_plans():
+    unknown = ModelProfile("opaque", (LayerProfile("model", 0.0, 0.0, 1e6, 0.0, 0.0),), tokens_per_sample=1)
+    topology = Topology.from_config({"name": "one", "clusters": [{"name": "x", "nodes": 1}]})
+    result = plan(topology, unknown, BatchSettings(4), PlanOptions(layout="flat_fsdp"))
+    assert (result.pp, result.dp, result.prediction.total_s, result.prediction.tokens_per_s) == (1, 1, 0.0, 0.0)
 
 
 def test_memory_limit_pushes_the_plan_to_more_stages():

@@ -121,14 +121,15 @@ class Candidate:
         p2p = max(min(total - no_transfers.total_s, total - compute - sync), 0.0)
         samples = m * self.microbatch_size * self.layout.dp
         world = self.layout.pp * self.layout.dp
+        per_s = 1 / total if total > 0 else 0.0  # a profile without costs predicts nothing
         return StepPrediction(
             total_s=total,
             compute_s=compute,
             dp_sync_s=sync,
             p2p_s=p2p,
             bubble_s=max(total - compute - sync - p2p, 0.0),
-            tokens_per_s=samples * profile.tokens_per_sample / total,
-            tflops_per_device=profile.flops_per_sample * samples / total / world / 1e12,
+            tokens_per_s=samples * profile.tokens_per_sample * per_s,
+            tflops_per_device=profile.flops_per_sample * samples * per_s / world / 1e12,
             memory_gb=max(s.memory_gb for s in stages),
         )
 
