@@ -1,21 +1,172 @@
-"""Main job: `python train.py cluster=two_cluster_mixed` (Hydra overrides, e.g. cluster.devices_per_node=2)."""
+"""Main job: `python train.py cluster=two_cluster_mixed` trains the GPT recipe on one process per rank of the cluster.
+
+Run plainly, it checks the config, then starts the cluster's ranks on this machine (or in the lab's emulated network
+with `lab.mode=emulate`), each rerunning this script. Started by a launcher (ours, torchrun, SLURM), it is one rank
+and joins the job as it is.
+"""
 
 from __future__ import annotations
 
-import hydra
-from omegaconf import DictConfig, OmegaConf
+import os
+import sys
+from dataclasses import asdict
 
-from holmes_lightning.config import TrainConfig, register_configs
-from holmes_lightning.topology import Topology
+import hydra
+import lightning as L
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import ConfigCompositionException
+from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from holmes_lightning import validate
+from holmes_lightning.config import ConfigError, TrainConfig, register_configs
+from holmes_lightning.launch import LAUNCHED_ENV, launch
+from holmes_lightning.planner import PlanError
+from holmes_lightning.runtime import HolmesStrategy
+from holmes_lightning.runtime.checkpoint import CheckpointError
+from holmes_lightning.runtime.environment import default_environment
+from holmes_lightning.runtime.pipeline import ContractError
+from holmes_lightning.runtime.preemption import HolmesCheckpoint
+from holmes_lightning.topology import Topology, TopologyError
+from recipes import GPT, ByteCorpusDataModule, RunSummary, throughput_monitor
 
 register_configs()
+
+LOGGERS = ("csv", "wandb")
+LAB_MODES = ("loopback", "emulate")
+KNOWN_ERRORS = (ConfigError, TopologyError, PlanError, CheckpointError, ContractError)
+TRACEBACKS = os.environ.get("HYDRA_FULL_ERROR") == "1"  # asked for: known errors then show theirs too
 
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    config: TrainConfig = OmegaConf.to_object(cfg)
-    print(Topology.from_config(config.cluster))
+    if not TRACEBACKS:  # set below only so that Hydra raises its config errors; the ranks need not inherit it
+        os.environ.pop("HYDRA_FULL_ERROR", None)
+    try:  # every check that needs no other process, so a bad value stops the job before any rank starts
+        config: TrainConfig = OmegaConf.to_object(cfg)
+        topology = Topology.from_config(config.cluster)
+        check_choices(config)
+        strategy = make_strategy(config, topology)
+        plan = validate.check_plan(config, topology, strategy.batch, strategy.options)
+        config.resume = validate.resume_path(config, plan)
+        if is_rank_process():
+            topology.check_world_size(default_environment().world_size())
+    except (ValueError, OmegaConfBaseException) as err:  # config, topology, plan, checkpoint and strategy errors
+        exit_with_error(err)
+    run_dir = HydraConfig.get().runtime.output_dir
+    if not is_rank_process():
+        sys.exit(start_ranks(config, topology, run_dir))
+    try:
+        train(config, topology, strategy, run_dir)
+    except KNOWN_ERRORS as err:  # found once processes joined: raised alike on every rank that sees it
+        exit_with_error(err, f"rank {default_environment().global_rank()}: ")
+
+
+def exit_with_error(err: BaseException, where: str = "") -> None:
+    """One line that says what to fix, and exit code 2 (with HYDRA_FULL_ERROR=1, the traceback instead)."""
+    if TRACEBACKS:
+        raise err
+    message = str(err).strip()
+    if isinstance(err, ConfigCompositionException) and err.__cause__:  # "Could not override x" + why, on one line
+        first, *rest = message.splitlines()
+        message = "; ".join([f"{first.rstrip('.')}: {str(err.__cause__).splitlines()[0]}", *rest])
+    print(f"error: {where}{message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def check_choices(config: TrainConfig) -> None:
+    if config.logger not in LOGGERS:
+        raise ConfigError(f"logger={config.logger!r}: use one of {LOGGERS}")
+    if config.lab.mode not in LAB_MODES:
+        raise ConfigError(f"lab.mode={config.lab.mode!r}: use one of {LAB_MODES}")
+
+
+def is_rank_process() -> bool:
+    """True when a launcher started this process as one rank (ours sets HOLMES_LAUNCHED; torchrun/SLURM theirs)."""
+    return LAUNCHED_ENV in os.environ or default_environment().creates_processes_externally
+
+
+def start_ranks(config: TrainConfig, topology: Topology, run_dir: str) -> int:
+    """One process per rank of the topology, all writing into this run's directory."""
+    resume = f"resume='{config.resume}'" if config.resume else "resume=null"  # every rank resumes the same one
+    command = [sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:], f"hydra.run.dir='{run_dir}'", resume]
+    if config.resume:
+        print(f"train.py: resuming from {config.resume}", flush=True)
+    print(topology, flush=True)
+    print(f"train.py: starting {topology.world_size} ranks ({config.lab.mode}); logs in {run_dir}", flush=True)
+    if config.lab.mode == "emulate":
+        from holmes_lightning.lab import run_in_lab
+
+        return run_in_lab(topology, command, bandwidth_scale=config.lab.bandwidth_scale)
+    return launch(command, topology)
+
+
+def make_strategy(config: TrainConfig, topology: Topology) -> HolmesStrategy:
+    """HolmesStrategy from the config's strategy group (built in the launcher too, so bad arguments stop it early)."""
+    options = asdict(config.strategy)
+    timeout = options.pop("timeout_s")
+    return HolmesStrategy(cluster=topology, global_batch=config.data.global_batch, timeout=timeout, **options)
+
+
+def train(config: TrainConfig, topology: Topology, strategy: HolmesStrategy, run_dir: str) -> None:
+    """This rank's part of the job: the GPT recipe under HolmesStrategy, then a one-line summary on rank 0."""
+    L.seed_everything(config.seed, workers=True)
+    shape, opt = config.model, config.trainer
+    model = GPT(
+        n_layers=shape.n_layers,
+        d_model=shape.d_model,
+        n_heads=shape.n_heads,
+        seq_len=shape.seq_len,
+        vocab_size=shape.vocab_size,
+        dropout=shape.dropout,
+        learning_rate=opt.learning_rate,
+        warmup_steps=opt.warmup_steps,
+        weight_decay=opt.weight_decay,
+    )
+    data = ByteCorpusDataModule(
+        seq_len=shape.seq_len,
+        global_batch=config.data.global_batch,
+        corpus_bytes=config.data.corpus_bytes,
+        val_fraction=config.data.val_fraction,
+        num_workers=config.data.num_workers,
+        seed=config.seed,
+    )
+    window = max(2, min(20, opt.max_steps // 2))
+    rank = default_environment().global_rank()
+    trainer = L.Trainer(
+        accelerator=opt.accelerator,
+        devices=len(topology.node_of(rank).ranks),
+        num_nodes=len(topology.nodes),
+        strategy=strategy,
+        precision=opt.precision,
+        max_steps=opt.max_steps,
+        gradient_clip_val=opt.gradient_clip_val,
+        accumulate_grad_batches=opt.accumulate_grad_batches,
+        log_every_n_steps=opt.log_every_n_steps,
+        val_check_interval=opt.val_check_interval,
+        limit_val_batches=opt.limit_val_batches,
+        logger=make_logger(config, run_dir),
+        callbacks=[
+            throughput_monitor(model, config.data.global_batch, topology.world_size, window),
+            HolmesCheckpoint(config.checkpoint.dir, config.checkpoint.every_n_steps, config.checkpoint.keep),
+            RunSummary(),
+        ],
+        default_root_dir=run_dir,
+    )
+    trainer.fit(model, datamodule=data, ckpt_path=config.resume)
+
+
+def make_logger(config: TrainConfig, run_dir: str) -> Logger:
+    """CSV in the run directory, or a Weights & Biases run kept offline there (`wandb sync` uploads it later)."""
+    if config.logger == "wandb":
+        return WandbLogger(project="holmes-lightning", save_dir=run_dir, offline=True, config=asdict(config))
+    return CSVLogger(save_dir=run_dir, name="csv", version="")
 
 
 if __name__ == "__main__":
-    main()
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its config errors to us instead of exiting with code 1
+    try:
+        main()
+    except (ConfigCompositionException, OmegaConfBaseException) as error:
+        exit_with_error(error)

@@ -8,7 +8,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchmetrics.text import Perplexity
+from torchmetrics import Metric
 
 
 class CausalSelfAttention(nn.Module):
@@ -81,6 +81,26 @@ class Head(nn.Module):
         return self.lm_head(self.ln(x))
 
 
+class LossPerplexity(Metric):
+    """exp of the mean of per-batch mean cross-entropies (equal batches: the token-level perplexity).
+
+    Fed with losses, not logits, so it also works where only the last pipeline stage sees logits. Updates are
+    out-of-place (unlike MeanMetric's), so states reset under `Trainer.validate`'s inference mode still update in `fit`.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("loss_sum", torch.tensor(0.0), dist_reduce_fx="sum")
+        self.add_state("batches", torch.tensor(0.0), dist_reduce_fx="sum")
+
+    def update(self, loss: torch.Tensor) -> None:
+        self.loss_sum = self.loss_sum + loss.detach().float()
+        self.batches = self.batches + 1
+
+    def compute(self) -> torch.Tensor:
+        return (self.loss_sum / self.batches).exp()
+
+
 class GPT(L.LightningModule):
     """Decoder-only transformer trained with AdamW and a warmup + cosine learning-rate schedule."""
 
@@ -102,7 +122,8 @@ class GPT(L.LightningModule):
         self.embedding = Embedding(vocab_size, seq_len, d_model, dropout)
         self.blocks = nn.ModuleList(Block(d_model, n_heads, dropout) for _ in range(n_layers))
         self.head = Head(d_model, vocab_size)
-        self.val_perplexity = Perplexity()
+        self.val_ppl = LossPerplexity()  # fed from each validation batch's loss, so pipelined runs get it too
+        self.example_input_array = torch.zeros(1, seq_len, dtype=torch.long)  # one sequence: profiling, summary
         self.apply(self._init_weights)
         for block in self.blocks:  # GPT-2: scale the residual projections by depth
             for proj in (block.attn.proj, block.mlp.proj):
@@ -135,12 +156,15 @@ class GPT(L.LightningModule):
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         inputs, targets = batch
-        logits = self(inputs)
-        self.val_perplexity(logits.float(), targets)
-        self.log("val_loss", self.pipeline_loss(logits, targets), prog_bar=True, sync_dist=True)
-        self.log("val_ppl", self.val_perplexity, prog_bar=True)
+        loss = self.pipeline_loss(self(inputs), targets)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def on_validation_batch_end(self, outputs: torch.Tensor, *_args: object) -> None:
+        self.val_ppl.update(outputs)
+        self.log("val_ppl", self.val_ppl, prog_bar=True)
 
     def configure_optimizers(self) -> dict:
         hp = self.hparams

@@ -1,0 +1,70 @@
+import csv
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SUMMARY = re.compile(
+    r"holmes: (\d+) steps, train loss ([\d.]+) -> ([\d.]+) \| ([\d,]+) tokens/s \| model ([\d.]+) TFLOPS"
+)
+
+
+def run_train(*args: str, command: tuple[str, ...] = ("train.py",), timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    return subprocess.run(
+        [sys.executable, *command, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.parametrize(
+    ("override", "code", "message"),
+    [
+        ("model.n_layerz=3", 1, "Key 'n_layerz' not in 'ModelConfig'"),
+        ("model.n_heads=3", 2, "model.d_model=128: must be a multiple of model.n_heads=3"),
+        ("strategy.schedule=Bogus", 2, "HolmesStrategy(schedule='Bogus'): use one of"),
+    ],
+)
+def test_bad_config_exits_cleanly_before_any_rank_starts(override, code, message, tmp_path):
+    out = run_train(override, f"output_dir={tmp_path}")
+    assert out.returncode == code
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr
+    assert "starting" not in out.stdout
+
+
+def summary_of(out: subprocess.CompletedProcess) -> tuple[int, float, float, float, float]:
+    match = SUMMARY.search(out.stdout)
+    assert match, f"no summary line in the output:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    steps, first, last, tokens, tflops = match.groups()
+    return int(steps), float(first), float(last), float(tokens.replace(",", "")), float(tflops)
+
+
+@pytest.mark.slow
+def test_default_job_trains_on_the_two_cluster_topology(tmp_path):
+    out = run_train("cluster=two_cluster_mixed", f"output_dir={tmp_path}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "starting 4 ranks" in out.stdout
+    steps, first, last, tokens_per_s, tflops = summary_of(out)
+    assert steps == 30
+    assert last < first - 1.0
+    assert tokens_per_s > 0 and tflops > 0
+    (metrics,) = tmp_path.glob("*/csv/metrics.csv")
+    rows = list(csv.DictReader(metrics.open()))
+    assert any(row.get("val_loss") for row in rows) and any(row.get("train/device/items_per_sec") for row in rows)
+
+
+@pytest.mark.slow
+def test_under_torchrun_the_script_is_one_rank_and_logs_to_wandb_offline(tmp_path):
+    torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py")
+    out = run_train(
+        "cluster=single_node", "logger=wandb", "trainer.max_steps=6", f"output_dir={tmp_path}", command=torchrun
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "starting" not in out.stdout  # torchrun started the ranks; the script did not launch its own
+    steps, first, last, _, _ = summary_of(out)
+    assert steps == 6 and last < first
+    assert list(tmp_path.glob("*/wandb/offline-run-*"))
