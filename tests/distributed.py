@@ -30,7 +30,11 @@ WIDTHS = (FEATURES, 48, 48, 16, 16, 16, CLASSES)  # wide first layers: an auto p
 
 
 def run_ranks(
-    target: str, cluster: str = "two_cluster_mixed", timeout_s: float = 300, env: dict[str, str] | None = None, **kwargs
+    target: str,
+    cluster: str | dict = "two_cluster_mixed",
+    timeout_s: float = 300,
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
 ) -> list[Any]:
     """Run `target` ("module:function", module importable from tests/) on every rank; returns results by rank."""
     topology = Topology.from_config(cluster)

@@ -21,6 +21,7 @@ from holmes_lightning.planner import Plan, StagePlan, StepPrediction
 from holmes_lightning.runtime.pipeline import ContractError
 
 SEED, GLOBAL_BATCH, STEPS_PER_EPOCH = 3, 16, 3
+ONE_RANK = {"name": "one_rank", "clusters": [{"name": "local", "nodes": 1, "nic": {"kind": "ethernet"}}]}
 
 
 class PlainMLP(L.LightningModule):
@@ -52,13 +53,14 @@ def _fit(
     loader: Any,
     ckpt_path: str | None = None,
     saver: ModelCheckpoint | None = None,
+    nodes: int = 4,
 ) -> list[float]:
-    """Fit on 4 ranks (or one process with strategy="auto") and return the loss of every training step."""
+    """Fit on `nodes` ranks (or one process with strategy="auto") and return the loss of every training step."""
     recorder = LossRecorder()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
-        num_nodes=1 if strategy == "auto" else 4,
+        num_nodes=1 if strategy == "auto" else nodes,
         strategy=strategy,
         max_steps=max_steps,
         gradient_clip_val=0.3,
@@ -153,6 +155,27 @@ def test_plain_module_trains_with_fsdp_over_all_ranks(ranks: list[dict[str, Any]
     assert all((result["plain"]["pp"], result["plain"]["dp"]) == (1, 4) for result in ranks)
     per_rank = torch.tensor([result["plain"]["losses"] for result in ranks])  # each rank's own quarter of the batch
     assert per_rank.mean(dim=0).tolist() == pytest.approx(reference, rel=1e-4)
+
+
+def one_rank_pipeline() -> dict[str, Any]:
+    """Rank side: Interleaved1F1B with pp=1, i.e. two virtual pipeline stages on one device."""
+    L.seed_everything(SEED)
+    strategy = HolmesStrategy(
+        cluster=ONE_RANK, schedule="Interleaved1F1B", global_batch=GLOBAL_BATCH, microbatches=4, timeout=60
+    )
+    losses = _fit(
+        TinyMLP(), strategy, STEPS_PER_EPOCH, tiny_loader(STEPS_PER_EPOCH * GLOBAL_BATCH, GLOBAL_BATCH), nodes=1
+    )
+    return {"losses": losses, "chunks": [stage.chunks for stage in strategy.plan.stages]}
+
+
+@pytest.mark.slow
+def test_two_virtual_stages_on_one_device_match_plain_training() -> None:
+    (result,) = run_ranks("test_strategy:one_rank_pipeline", cluster=ONE_RANK, timeout_s=180)
+    assert result["chunks"] == [[[0, 3], [3, 6]]]
+    L.seed_everything(SEED)
+    loader = tiny_loader(STEPS_PER_EPOCH * GLOBAL_BATCH, GLOBAL_BATCH, single_process_seed=SEED)
+    assert result["losses"] == pytest.approx(_fit(TinyMLP(), "auto", STEPS_PER_EPOCH, loader), rel=1e-4)
 
 
 def test_pipeline_without_the_contract_says_what_to_add() -> None:

@@ -132,10 +132,8 @@ class Pipeline:
     def _run(self, step: Callable, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         losses: list[torch.Tensor] = []
         inputs, targets = inputs.to(self.device), targets.to(self.device)
-        if self.stage == 0:
-            step(inputs)
-        else:
-            step(target=targets if self.is_last else None, losses=losses)
+        first = (inputs,) if self.stage == 0 else ()  # this rank holds virtual stage 0 / the last virtual stage
+        step(*first, target=targets if self.is_last else None, losses=losses)
         local = torch.stack([loss.detach().float() for loss in losses]).mean() if losses else None
         return shared_loss(local, self.plan.dp, self.device)
 

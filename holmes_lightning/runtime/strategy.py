@@ -21,7 +21,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.seed import _set_rng_states, reset_seed
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy, StrategyRegistry
@@ -35,7 +35,7 @@ from holmes_lightning import planner
 from holmes_lightning.planner import SCHEDULES, BatchSettings, LayerProfile, ModelProfile, Plan, PlanOptions
 from holmes_lightning.planner.planner import LAYOUTS
 from holmes_lightning.planner.report import format_plan
-from holmes_lightning.runtime import checkpoint
+from holmes_lightning.runtime import checkpoint, resume
 from holmes_lightning.runtime.environment import NICGroupingEnvironment
 from holmes_lightning.runtime.groups import PlanMesh, build_mesh
 from holmes_lightning.runtime.pipeline import Pipeline, check_contract, keep_owned_layers, missing_contract, split_batch
@@ -98,6 +98,7 @@ class HolmesStrategy(ModelParallelStrategy):
         self._prepared: nn.Module | None = None
         self._parameters: list[nn.Parameter] = []
         self._step_grads: list[torch.Tensor | None] | None = None
+        self._resumed_rng: dict[str, Any] | None = None
 
     @property
     def replica_batch_size(self) -> int:
@@ -244,13 +245,13 @@ class HolmesStrategy(ModelParallelStrategy):
                 f"the plan splits {active_plan.num_layers} layers but {type(module).__name__}.pipeline_layers() "
                 f"returns {len(layers)}; plan for this model"
             )
-        if active_plan.pp == 1:
+        stage = active_plan.stages[mesh.stage]
+        if active_plan.pp == 1 and len(stage.chunks) == 1:  # no pipeline: FSDP2 only, the module's own steps
             shard(layers, module, mesh.dp_mesh, self.sharding, policy, reshard_after_forward=True)
-        else:
+        else:  # pp > 1, or several chunks: virtual stages, possibly all on this rank (pp=1, Interleaved1F1B)
             check_contract(module, active_plan.pp)
             if self.precision_plugin.precision == "16-mixed":
                 raise ValueError("HolmesStrategy pipelines train in fp32 or bf16: use precision='bf16-mixed'")
-            stage = active_plan.stages[mesh.stage]
             keep_owned_layers(module, layers, set(stage.layers))
             module.example_input_array = None  # the whole forward no longer runs here (model summary would call it)
             chunks = [nn.Sequential(*layers[start:stop]) for start, stop in stage.chunks]
@@ -339,14 +340,33 @@ class HolmesStrategy(ModelParallelStrategy):
         if storage_options is not None:
             raise TypeError("HolmesStrategy.save_checkpoint(storage_options=...) is not supported: it writes with DCP")
         path = Path(self.broadcast(filepath))
-        checkpoint.save(checkpoint_, path, self._require_plan(), self.is_global_zero, self.barrier)
+        checkpoint.save(checkpoint_, path, self._require_plan(), self.global_rank, self.is_global_zero, self.barrier)
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         assert self.lightning_module is not None
         path = Path(self.broadcast(checkpoint_path))
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         strict = self.lightning_module.strict_loading
-        return checkpoint.load(path, self.lightning_module, optimizers, self._require_plan(), strict)
+        state, self._resumed_rng = checkpoint.load(
+            path, self.lightning_module, optimizers, self._require_plan(), self.global_rank, strict
+        )
+        return state
+
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero:
+            checkpoint.remove(Path(filepath))
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """Training data resumes mid-epoch where the checkpoint left it (Lightning alone restarts the epoch)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return resume.resumable(dataloader, trainer) if trainer is not None and trainer.training else dataloader
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """The first step after a resume draws the random numbers the interrupted run would have drawn."""
+        if self._resumed_rng is not None:
+            _set_rng_states(self._resumed_rng)
+            self._resumed_rng = None
+        super().on_train_batch_start(batch, batch_idx)
 
 
 def _swap_grads(params: list[nn.Parameter], grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
