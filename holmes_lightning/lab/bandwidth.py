@@ -8,47 +8,45 @@ from __future__ import annotations
 
 import socket
 import time
+from datetime import timedelta
 
 import torch
-from torch.distributed import ProcessGroupGloo
+import torch.distributed as dist
 
-from holmes_lightning.lab.groups import address_bound_group, lab_store
+from holmes_lightning.runtime.groups import Transport, new_group
+from holmes_lightning.topology import LinkKind
 
 WARMUP_BYTES = 64 * 1024
+TIMEOUT = timedelta(seconds=120)
 
 
-def gloo_seconds(sender: int, receiver: int, address: str | None, nbytes: int, tag: str) -> float | None:
-    """Seconds to move `nbytes` from sender to receiver over a gloo pair bound to each side's `address`."""
-    group = address_bound_group([sender, receiver], address, tag)
-    assert group is not None, "gloo_seconds is called on the two ranks of the pair only"
-    is_sender = group.rank() == sorted([sender, receiver]).index(sender)
-    peer = 1 - group.rank()
+def pair_group(sender: int, receiver: int, link: LinkKind, address: str | None) -> dist.ProcessGroup:
+    """A gloo group of the two ranks listening on this rank's `address`; every rank calls it (collective)."""
+    return new_group((sender, receiver), "gloo", Transport(link, address), TIMEOUT)
+
+
+def gloo_seconds(group: dist.ProcessGroup, sender: int, receiver: int, nbytes: int) -> float | None:
+    """Seconds to move `nbytes` from sender to receiver over their pair group (None on the receiver)."""
+    is_sender = dist.get_rank() == sender
+    peer = receiver if is_sender else sender
     ack = torch.zeros(1, dtype=torch.uint8)
     elapsed = None
-    for step, size in enumerate((WARMUP_BYTES, nbytes)):
+    for size in (WARMUP_BYTES, nbytes):
         payload = torch.zeros(size, dtype=torch.uint8)
         start = time.perf_counter()
         if is_sender:
-            _send(group, payload, peer, 2 * step)
-            _recv(group, ack, peer, 2 * step + 1)
+            dist.send(payload, peer, group=group)
+            dist.recv(ack, peer, group=group)
             elapsed = time.perf_counter() - start
         else:
-            _recv(group, payload, peer, 2 * step)
-            _send(group, ack, peer, 2 * step + 1)
-    return elapsed if is_sender else None
-
-
-def _send(group: ProcessGroupGloo, tensor: torch.Tensor, peer: int, tag: int) -> None:
-    group.send([tensor], peer, tag).wait()
-
-
-def _recv(group: ProcessGroupGloo, tensor: torch.Tensor, peer: int, tag: int) -> None:
-    group.recv([tensor], peer, tag).wait()
+            dist.recv(payload, peer, group=group)
+            dist.send(ack, peer, group=group)
+    return elapsed
 
 
 def socket_seconds(is_sender: bool, own_address: str, peer_address: str, nbytes: int, tag: str) -> float | None:
     """The same over a plain TCP connection: the receiver listens on its address, the sender binds its own."""
-    store = lab_store(tag)
+    store = dist.PrefixStore(f"holmes-lab/{tag}", dist.distributed_c10d._get_default_store())
     if not is_sender:
         with socket.create_server((own_address, 0)) as server:
             store.set("port", str(server.getsockname()[1]))

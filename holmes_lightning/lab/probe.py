@@ -26,7 +26,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from holmes_lightning.config import LabConfig, register_configs
-from holmes_lightning.lab.bandwidth import gloo_seconds, socket_seconds
+from holmes_lightning.lab.bandwidth import gloo_seconds, pair_group, socket_seconds
 from holmes_lightning.lab.plan import BANDWIDTH_SCALE_ENV, format_scale
 from holmes_lightning.lab.run import run_in_lab
 from holmes_lightning.launch import launch
@@ -131,13 +131,15 @@ def measure(config: ProbeConfig, topology: Topology) -> int:
     pairs = plan_pairs(topology, fabric_nodes)
     results = []
     for pair in pairs:
+        own = addresses[rank][pair.via]
+        link = topology.link(pair.sender, pair.receiver, rdma=pair.via != "ethernet").kind
+        group = pair_group(pair.sender, pair.receiver, link, own)
         if rank in (pair.sender, pair.receiver):
             nbytes = _nbytes(pair.gbps, scale, config.probe)
-            other = pair.receiver if rank == pair.sender else pair.sender
-            own, peer = addresses[rank][pair.via], addresses[other][pair.via]
-            tag = f"probe/{pair.index}"
-            gloo_s = gloo_seconds(pair.sender, pair.receiver, own, nbytes, f"{tag}/gloo")
-            socket_s = socket_seconds(rank == pair.sender, own, peer, nbytes, f"{tag}/socket")
+            peer = addresses[pair.receiver if rank == pair.sender else pair.sender][pair.via]
+            gloo_s = gloo_seconds(group, pair.sender, pair.receiver, nbytes)
+            socket_s = socket_seconds(rank == pair.sender, own, peer, nbytes, f"probe/{pair.index}")
+            dist.destroy_process_group(group)
             if rank == pair.sender:
                 result = Result(pair, nbytes * 8 / gloo_s / 1e6, nbytes * 8 / socket_s / 1e6)
                 results.append(result)

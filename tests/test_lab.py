@@ -1,0 +1,280 @@
+"""The lab: network plan (everywhere), and with root: shaped rates, all-reduce ratio, teardown and cleanup."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from holmes_lightning.lab import plan_lab, run_in_lab
+from holmes_lightning.lab.network import list_namespaces, unavailable_reason
+from holmes_lightning.lab.plan import format_scale, run_prefix
+from holmes_lightning.lab.probe import load_config, plan_pairs
+from holmes_lightning.lab.probe import main as probe_main
+from holmes_lightning.lab.scale import cpu_gflops, default_bandwidth_scale
+from holmes_lightning.runtime.environment import NICGroupingEnvironment
+from holmes_lightning.runtime.groups import group_transport, new_group
+from holmes_lightning.topology import Topology, TopologyError
+
+ROOT = Path(__file__).resolve().parents[1]
+SCALE = 0.001  # 200 Gb/s -> 200 Mb/s: a few MB per timing, and far below where the shared CPU limits veth traffic
+TOLERANCE = 0.15
+# Cluster A's 4 ranks share one InfiniBand fabric; A-node0 + B-node0 (4 ranks) span clusters over Ethernet.
+ALLREDUCE_CLUSTER = {
+    "name": "lab_allreduce",
+    "devices_per_node": 2,
+    "inter_cluster": {"gbps": 100},
+    "clusters": [
+        {"name": "A", "nodes": 2, "nic": {"kind": "infiniband", "gbps": 200}},
+        {"name": "B", "nodes": 1, "nic": {"kind": "roce", "gbps": 200}},
+    ],
+}
+FABRIC_RANKS, ACROSS_RANKS = (0, 1, 2, 3), (0, 1, 4, 5)
+
+
+def _lab_missing() -> str | None:
+    reason = unavailable_reason()
+    if reason is None and subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0:
+        reason = "`ip netns` does not work here"
+    return reason
+
+
+LAB_MISSING = _lab_missing()
+needs_lab = pytest.mark.skipif(LAB_MISSING is not None, reason=f"the lab needs root + ip netns: {LAB_MISSING}")
+
+
+def _namespaces_of(pid: int) -> list[str]:
+    return [name for name in list_namespaces() if name.startswith(run_prefix(pid))]
+
+
+def _wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gave up waiting for {what} after {timeout_s} s")
+        time.sleep(0.2)
+
+
+# --- the plan: pure data, runs anywhere ------------------------------------------------------------------------------
+
+
+def test_plan_gives_each_node_two_addresses_and_one_class_per_link_class():
+    topology = Topology.from_config("two_cluster_mixed")
+    plan = plan_lab(topology, 1 / 500, pid=42)
+    assert plan.namespaces == ("holmes-42-n0", "holmes-42-n1", "holmes-42-n2", "holmes-42-n3", "holmes-42-br")
+    addresses = [a for node in plan.nodes for a in (node.ethernet, node.fabric)]
+    assert len(set(addresses)) == 8 and all(a.startswith("10.213.") for a in addresses)
+    a0, a1 = plan.nodes[0], plan.nodes[1]
+    classes = {c.link_class: c for c in a0.egress}
+    assert set(classes) == {"rdma:A", "inter_cluster"}
+    assert classes["rdma:A"].destinations == (a1.fabric,)  # only a same-fabric peer's fabric address is RDMA
+    assert classes["rdma:A"].lab_mbit == pytest.approx(400) and classes["inter_cluster"].lab_mbit == pytest.approx(200)
+    others = {a for node in plan.nodes[1:] for a in (node.ethernet, node.fabric)} - {a1.fabric}
+    assert set(classes["inter_cluster"].destinations) == others
+
+
+def test_plan_shapes_configured_speeds_not_measured_ones():
+    configured = Topology.from_config("two_cluster_mixed")
+    measured = Topology(configured.spec, {"rdma:A": 1.0})
+    assert plan_lab(measured, 1 / 500).nodes == plan_lab(configured, 1 / 500).nodes
+
+
+def test_plan_nodes_without_rdma_have_no_fabric_address():
+    topology = Topology.from_config("three_cluster")
+    plan = plan_lab(topology, 1 / 1000)
+    c0 = next(node for node in plan.nodes if node.name == "C-node0")
+    assert c0.fabric is None
+    rates = {(c.link_class, c.gbps) for c in c0.egress}
+    assert rates == {("tcp:C", 25), ("inter_cluster", 25)}  # C's own 25 Gb/s NIC limits both
+
+
+@pytest.mark.parametrize(("scale", "field"), [(0, "lab.bandwidth_scale=0"), (0.1, "lab.bandwidth_scale=0.1")])
+def test_bad_scale_names_the_field_and_the_fix(scale, field):
+    with pytest.raises(TopologyError, match=field) as err:
+        plan_lab(Topology.from_config("two_cluster_mixed"), scale)
+    assert "must be > 0" in str(err.value) or "use at most" in str(err.value)
+
+
+def test_default_scale_matches_this_cpu_to_the_device():
+    topology = Topology.from_config("two_cluster_mixed")
+    scale, why = default_bandwidth_scale(topology)
+    per_rank = cpu_gflops() * min(1, len(os.sched_getaffinity(0)) / topology.world_size)
+    assert 0.5 < scale * 312_000 / per_rank < 2  # a second timing on a shared CPU: same order, not same digits
+    assert format_scale(scale) in why and "GFLOP/s" in why
+    assert format_scale(0.002) == "1/500"
+
+
+def test_probe_pairs_cover_every_link_class():
+    topology = Topology.from_config("three_cluster", devices_per_node=2)
+    fabric_nodes = {node.index for node in topology.nodes if node.nic.is_rdma}
+    pairs = plan_pairs(topology, fabric_nodes)
+    ranks = range(topology.world_size)
+    classes = {topology.link_class(a, b, rdma) for a in ranks for b in ranks for rdma in (True, False)}
+    assert {pair.link_class for pair in pairs} == classes
+    assert all(pair.via == "fabric" for pair in pairs if pair.link_class.startswith("rdma:"))
+
+
+def test_probe_config_errors_name_the_field(capsys):
+    with pytest.raises(TopologyError, match="probe.seconds=0"):
+        load_config(["probe.seconds=0"])
+    with pytest.raises(TopologyError, match="lab.mode='emulat'"):
+        load_config(["lab.mode=emulat"])
+    assert probe_main(["probe.secnds=1"]) == 2
+    assert "secnds" in capsys.readouterr().err
+
+
+# --- the network: needs root and ip netns ----------------------------------------------------------------------------
+
+
+@needs_lab
+@pytest.mark.slow
+@pytest.mark.lab
+def test_probe_measures_configured_rate_per_link_class(tmp_path):
+    out, picture = tmp_path / "measured.json", tmp_path / "measured.png"
+    command = [sys.executable, "-m", "holmes_lightning.lab.probe", "cluster=two_cluster_mixed"]
+    command += [f"lab.bandwidth_scale={SCALE}", "probe.seconds=0.25", f"probe.out={out}", f"probe.plot={picture}"]
+    probe = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output, _ = probe.communicate(timeout=300)
+    assert probe.returncode == 0, output
+    data = json.loads(out.read_text())
+    assert set(data["links"]) == {"rdma:A", "rdma:B", "inter_cluster"}
+    for source in ("links", "raw_tcp"):  # gloo send/recv and a plain TCP socket
+        for link_class, gbps in data[source].items():
+            assert gbps == pytest.approx(data["configured"][link_class], rel=TOLERANCE), (source, link_class, output)
+    assert picture.stat().st_size > 10_000
+    measured = Topology.from_config("two_cluster_mixed", measured=str(out))
+    assert measured.link(0, 1).gbps == data["links"]["rdma:A"]  # the probe writes the keys Topology reads
+    assert measured.link(0, 2).gbps == data["links"]["inter_cluster"]
+    assert _namespaces_of(probe.pid) == []
+
+
+def allreduce_seconds(numel: int, repeats: int) -> dict[str, float]:
+    """On each rank: the best time of an all-reduce inside fabric A and of one across clusters, groups bound as the
+    runtime binds them (fabric address inside one fabric, Ethernet address otherwise)."""
+    dist.init_process_group("gloo")
+    topology = Topology.from_config(ALLREDUCE_CLUSTER)
+    environment = NICGroupingEnvironment(topology)
+    times = {}
+    for name, ranks in (("fabric", FABRIC_RANKS), ("across", ACROSS_RANKS)):
+        group = new_group(ranks, "gloo", group_transport(topology, ranks, environment), dist.default_pg_timeout)
+        if dist.get_rank() in ranks:
+            tensor = torch.ones(numel)
+            best = float("inf")
+            for _ in range(repeats):
+                dist.barrier(group=group)
+                start = time.perf_counter()
+                dist.all_reduce(tensor, group=group)
+                best = min(best, time.perf_counter() - start)
+            times[name] = best
+        dist.barrier()
+    dist.destroy_process_group()
+    return times
+
+
+@needs_lab
+@pytest.mark.slow
+@pytest.mark.lab
+def test_allreduce_inside_a_fabric_beats_one_across_clusters_by_the_link_ratio():
+    topology = Topology.from_config(ALLREDUCE_CLUSTER)
+    configured = topology.slowest_link(FABRIC_RANKS).gbps / topology.slowest_link(ACROSS_RANKS).gbps
+    with tempfile.TemporaryDirectory() as out:
+        kwargs = json.dumps({"numel": 1_250_000, "repeats": 3})  # 5 MB: ~0.3 s in the fabric at this scale
+        command = [sys.executable, str(ROOT / "tests" / "distributed.py"), "test_lab:allreduce_seconds", kwargs, out]
+        assert run_in_lab(topology, command, bandwidth_scale=SCALE) == 0
+        results = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(topology.world_size)]
+    fabric = max(r["fabric"] for r in results if "fabric" in r)
+    across = max(r["across"] for r in results if "across" in r)
+    # The ring's loopback hops and the reductions cost CPU time in both, which pulls the ratio slightly below 2.
+    assert configured == 2
+    assert across / fabric == pytest.approx(configured, rel=0.2), (fabric, across)
+    assert _namespaces_of(os.getpid()) == []
+
+
+@needs_lab
+@pytest.mark.lab
+def test_failed_job_leaves_no_namespace():
+    command = [sys.executable, "-c", "import sys; sys.exit(3)"]
+    assert run_in_lab(Topology.from_config("two_cluster_mixed"), command, bandwidth_scale=SCALE) == 3
+    assert _namespaces_of(os.getpid()) == []
+
+
+def _start_sleeping_lab() -> tuple[subprocess.Popen, list[int]]:
+    """A lab run whose ranks sleep; returns it once all its namespaces hold a rank, with the ranks' pids."""
+    code = (
+        "import sys; from holmes_lightning.lab import run_in_lab; from holmes_lightning.topology import Topology; "
+        f"sys.exit(run_in_lab(Topology.from_config('two_cluster_mixed'), ['sleep', '120'], {SCALE}))"
+    )
+    run = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
+
+    def node_pids() -> list[int]:
+        names = [n for n in _namespaces_of(run.pid) if not n.endswith("-br")]
+        pids = [
+            subprocess.run(["ip", "netns", "pids", n], capture_output=True, text=True).stdout.split() for n in names
+        ]
+        return [int(p) for group in pids for p in group] if len(names) == 4 and all(pids) else []
+
+    _wait_for(lambda: node_pids() or run.poll() is not None, 120, "the lab's ranks to start")
+    assert run.poll() is None, "the lab run ended before its ranks started"
+    return run, node_pids()
+
+
+@needs_lab
+@pytest.mark.slow
+@pytest.mark.lab
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_stop_signal_tears_the_network_down(stop):
+    run, ranks = _start_sleeping_lab()
+    run.send_signal(stop)
+    assert run.wait(timeout=60) != 0
+    assert _namespaces_of(run.pid) == []
+    assert not any(Path(f"/proc/{pid}").exists() for pid in ranks)
+
+
+@needs_lab
+@pytest.mark.slow
+@pytest.mark.lab
+def test_cleanup_removes_what_a_killed_run_left():
+    run, ranks = _start_sleeping_lab()
+    run.kill()
+    run.wait()
+    assert len(_namespaces_of(run.pid)) == 5  # SIGKILL: no teardown ran
+    cleanup = subprocess.run(
+        [sys.executable, "-m", "holmes_lightning.lab.cleanup"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert cleanup.returncode == 0 and "removed" in cleanup.stdout, cleanup.stderr
+    assert _namespaces_of(run.pid) == []
+    assert not any(Path(f"/proc/{pid}").exists() for pid in ranks)
+    assert not list(Path("/etc/netns").glob(f"{run_prefix(run.pid)}*"))
+
+
+@needs_lab
+@pytest.mark.slow
+@pytest.mark.lab
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux unshare to drop privileges")
+def test_without_privileges_the_job_runs_on_loopback():
+    """Root inside a user namespace cannot create network namespaces: one line says so, the job still runs."""
+    code = (
+        "import sys; from holmes_lightning.lab import run_in_lab; from holmes_lightning.topology import Topology; "
+        f"sys.exit(run_in_lab(Topology.from_config('two_cluster_mixed'), ['echo', 'rank ran'], {SCALE}))"
+    )
+    result = subprocess.run(
+        ["unshare", "--user", "--map-root-user", sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("rank ran") == 4
+    notice = [line for line in result.stderr.splitlines() if line.startswith("holmes lab: unavailable")]
+    assert len(notice) == 1 and "plain loopback" in notice[0]
