@@ -1,0 +1,85 @@
+"""Structured configs of `python -m holmes_lightning.bench` (conf/benchmark.yaml, sizes in conf/bench/*.yaml)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+
+from holmes_lightning.config import ConfigError, ModelConfig
+from holmes_lightning.topology.spec import ClusterSpec
+
+VARIANTS = ("holmes_hybrid", "holmes_homogeneous", "fsdp", "ddp", "nic_unaware", "holmes_unequal", "uniform_unequal")
+
+
+@dataclass
+class BenchSettings:
+    """One benchmark size: the model, batch and steps every variant runs, and how the cost model is calibrated.
+
+    `slow_cluster` runs its NIC at `slow_nic_gbps` in the unequal-clusters topology (auto vs uniform partition).
+    `pp` fixes the pipeline degree of the Holmes runs (the paper compares at fixed degrees; None: the planner picks).
+    `holmes_sharding` is HolmesStrategy's sharding inside each stage: "none" (replicas, one all-reduce) moves 2/3 of
+    FSDP's bytes on gloo, whose reduce-scatter runs as an all-reduce. `bandwidth_scale` None: chosen from this CPU
+    as `lab.scale` does, once, for every variant. `dp_overlap` is the
+    planner's fraction of DP sync hidden under backward.
+    """
+
+    name: str = "short"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    global_batch: int = 8
+    warmup_steps: int = 2
+    measured_steps: int = 5
+    schedule: str = "1F1B"
+    pp: int | None = 2
+    holmes_sharding: str = "none"
+    variants: list[str] = field(default_factory=lambda: list(VARIANTS))
+    bandwidth_scale: float | None = None
+    slow_cluster: str = "B"
+    slow_nic_gbps: float = 50.0
+    dp_overlap: float = 0.0
+    calibration_repeats: int = 5
+    corpus_bytes: int = 400_000
+    trace: bool = False
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        unknown = [v for v in self.variants if v not in VARIANTS]
+        if unknown or not self.variants:
+            raise ConfigError(f"bench.variants={list(self.variants)!r}: use a non-empty subset of {list(VARIANTS)}")
+        if self.global_batch <= 0:
+            raise ConfigError(f"bench.global_batch={self.global_batch!r}: must be > 0 (sequences per step)")
+        if self.warmup_steps < 1 or self.measured_steps < 1:
+            raise ConfigError(
+                f"bench.warmup_steps={self.warmup_steps}, bench.measured_steps={self.measured_steps}: both must be >= 1"
+            )
+        if self.holmes_sharding not in ("fsdp", "none"):
+            raise ConfigError(f"bench.holmes_sharding={self.holmes_sharding!r}: use fsdp or none")
+        if self.pp is not None and self.pp < 1:
+            raise ConfigError(f"bench.pp={self.pp!r}: must be >= 1, or null to let the planner choose")
+        if self.bandwidth_scale is not None and not self.bandwidth_scale > 0:
+            raise ConfigError(f"bench.bandwidth_scale={self.bandwidth_scale!r}: must be > 0, or null to choose one")
+        if not self.slow_nic_gbps > 0:
+            raise ConfigError(f"bench.slow_nic_gbps={self.slow_nic_gbps!r}: must be > 0, e.g. 50")
+        if not 0 <= self.dp_overlap <= 1:
+            raise ConfigError(f"bench.dp_overlap={self.dp_overlap!r}: must be in [0, 1]")
+        if self.calibration_repeats < 1:
+            raise ConfigError(f"bench.calibration_repeats={self.calibration_repeats!r}: must be >= 1")
+
+    @property
+    def steps(self) -> int:
+        return self.warmup_steps + self.measured_steps
+
+
+@dataclass
+class BenchJobConfig:
+    """The hybrid cluster every variant derives from, the benchmark size, and where results go."""
+
+    cluster: ClusterSpec = field(default_factory=ClusterSpec)
+    bench: BenchSettings = field(default_factory=BenchSettings)
+    output_dir: str = "outputs/bench"
+
+
+def register_bench_configs() -> None:
+    store = ConfigStore.instance()
+    store.store(name="base_bench_config", node=BenchJobConfig)
+    store.store(group="bench", name="base_bench", node=BenchSettings)

@@ -1,0 +1,125 @@
+"""One rank of one benchmark run: `python -m holmes_lightning.bench.worker SPEC.json`, started by the lab.
+
+Trains the recipe's GPT on the byte corpus under the variant's strategy for the given steps and writes this rank's
+step times (seconds between consecutive ends of a training step) to `rank<N>.json` in the spec's folder.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from holmes_lightning.bench.calibrate import gpt
+from holmes_lightning.config import ModelConfig
+from holmes_lightning.planner import Plan
+from holmes_lightning.runtime import HolmesStrategy
+from holmes_lightning.runtime.environment import default_environment
+from holmes_lightning.runtime.sharding import shard
+from holmes_lightning.topology import Topology
+from recipes import ByteCorpusDataModule
+from recipes.gpt import GPT
+
+
+class StepTimer(Callback):
+    """Wall time of every training step on this rank; rank 0 prints each as it ends, so long runs show progress."""
+
+    def __init__(self, label: str, steps: int, trace_step: int | None, trace_path: Path) -> None:
+        self.label = label
+        self.steps = steps
+        self.trace_step = trace_step
+        self.trace_path = trace_path
+        self.seconds: list[float] = []
+        self._last = 0.0
+        self._profiler: torch.profiler.profile | None = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, _module: L.LightningModule, _batch: Any, index: int) -> None:
+        if index == 0:
+            self._last = time.perf_counter()
+        if index == self.trace_step:
+            self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self._profiler.start()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *_args: Any) -> None:
+        now = time.perf_counter()
+        self.seconds.append(now - self._last)
+        self._last = now
+        if self._profiler is not None:
+            self._profiler.stop()
+            self._profiler.export_chrome_trace(str(self.trace_path))
+            self._profiler = None
+        if trainer.is_global_zero:
+            print(f"  {self.label}: step {len(self.seconds)}/{self.steps} {self.seconds[-1]:.3f} s", flush=True)
+
+
+class FlatFSDPGPT(GPT):
+    """The recipe's GPT under ModelParallelStrategy: FSDP2 over every rank, one unit per layer, then the root.
+
+    Weights stay gathered from forward to backward (ZeRO-2, one all-gather and one reduce-scatter per step), as the
+    planner's flat_fsdp alternative costs it. Lightning's FSDPStrategy wraps torch's FSDP1, which refuses CPU devices.
+    """
+
+    def configure_model(self) -> None:
+        shard(self.pipeline_layers(), self, self.device_mesh["data_parallel"], "fsdp", MixedPrecisionPolicy(), False)
+
+
+def make_strategy(spec: dict, topology: Topology) -> Strategy:
+    timeout = timedelta(seconds=spec["timeout_s"])
+    if spec["strategy"] == "fsdp":
+        return ModelParallelStrategy(
+            data_parallel_size=topology.world_size,
+            tensor_parallel_size=1,
+            process_group_backend="gloo",
+            timeout=timeout,
+        )
+    if spec["strategy"] == "ddp":
+        return DDPStrategy(process_group_backend="gloo", timeout=timeout)
+    plan = Plan.from_json(spec["plan"])
+    return HolmesStrategy(cluster=topology, plan=plan, sharding=spec["holmes_sharding"], timeout=timeout)
+
+
+def run(spec: dict) -> None:
+    topology = Topology.from_dict(spec["topology"])
+    rank = default_environment().global_rank()
+    out = Path(spec["out_dir"])
+    L.seed_everything(spec["seed"], workers=True)
+    model_config = ModelConfig(**spec["model"])
+    data = ByteCorpusDataModule(
+        seq_len=model_config.seq_len,
+        global_batch=spec["global_batch"],
+        corpus_bytes=spec["corpus_bytes"],
+        seed=spec["seed"],
+    )
+    trace_step = spec["warmup_steps"] if spec["trace"] else None
+    timer = StepTimer(spec["name"], spec["steps"], trace_step, out / f"trace_rank{rank}.json")
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=len(topology.node_of(rank).ranks),
+        num_nodes=len(topology.nodes),
+        strategy=make_strategy(spec, topology),
+        max_steps=spec["steps"],
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+        default_root_dir=str(out),
+    )
+    model = gpt(model_config, FlatFSDPGPT if spec["strategy"] == "fsdp" else GPT)
+    trainer.fit(model, datamodule=data)
+    (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "step_s": timer.seconds}))
+
+
+if __name__ == "__main__":
+    run(json.loads(Path(sys.argv[1]).read_text()))

@@ -1,0 +1,50 @@
+"""The benchmark's planning and reporting without the lab (the runs: `python -m holmes_lightning.bench`)."""
+
+import json
+
+import pytest
+
+from holmes_lightning.bench.calibrate import profile_gpt
+from holmes_lightning.bench.config import VARIANTS, BenchSettings
+from holmes_lightning.bench.report import draw, markdown, regime, targets, write_json
+from holmes_lightning.bench.runner import Calibration, summarize
+from holmes_lightning.bench.variants import Hardware, plan_variants
+from holmes_lightning.config import ConfigError, ModelConfig
+from holmes_lightning.topology import Topology
+
+
+def test_every_variant_is_planned_and_reported(tmp_path):
+    settings = BenchSettings(model=ModelConfig(n_layers=4, d_model=64, n_heads=4, seq_len=16), global_batch=8)
+    profile = profile_gpt(settings.model)
+    hardware = Hardware.derive(Topology.from_config("two_cluster_mixed"), settings, 5e-3, 1e-4)
+    variants = plan_variants(hardware, profile, settings)
+    assert [v.name for v in variants] == list(VARIANTS)
+    plans = {v.name: v.plan for v in variants}
+    assert {p.global_batch for p in plans.values()} == {8}
+    assert (plans["holmes_hybrid"].pp, plans["fsdp"].pp, plans["ddp"].sharding) == (2, 1, "ddp")
+    assert plans["nic_unaware"].layout == "nic_unaware" and hardware.unequal.nodes[2].nic_gbps == 50
+    slow = [s for s in plans["holmes_unequal"].stages if s.cluster == "B"][0]  # fewer layers than a uniform split
+    assert len(slow.layers) < profile.num_layers / 2
+
+    steps = settings.warmup_steps + settings.measured_steps
+    per_rank = {v.name: [[v.plan.prediction.total_s] * steps] * 4 for v in variants}  # runs exactly as predicted
+    results = [summarize(v, per_rank[v.name], settings, profile) for v in variants]
+    check = regime(variants, profile, settings.global_batch)
+    assert check["gradient_to_boundary"] > 5
+    calibration = Calibration(2, 0.1, 1.0, 0.5, 5e-3, 1e-4, "test")
+    context = {"calibration": vars(calibration), "variants": variants, "bench": "test", "model": "m"}
+    context.update(global_batch=8, steps="1 + 1")
+    table = markdown(results, context, check)
+    assert all(v.label in table for v in variants) and "| predicted / measured within 15% | 7/7 runs" in table
+    measured = {t.name: t.value for t in targets(results)}
+    hybrid = plans["holmes_hybrid"].prediction.total_s
+    assert measured["Holmes hybrid / FSDPStrategy"] == pytest.approx(plans["fsdp"].prediction.total_s / hybrid)
+    write_json(tmp_path / "r.json", results, context, check)
+    assert len(json.loads((tmp_path / "r.json").read_text())["runs"]) == 7
+    draw(tmp_path / "r.png", results)
+    assert (tmp_path / "r.png").stat().st_size > 10_000
+
+
+def test_bad_settings_name_the_field():
+    with pytest.raises(ConfigError, match="bench.variants"):
+        BenchSettings(variants=["holmes", "fsdp"])
