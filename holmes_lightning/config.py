@@ -111,6 +111,23 @@ class TrainerConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Sharded checkpoints `step=N.ckpt` in `dir` every `every_n_steps` steps (null: only on SIGTERM), `keep` newest.
+
+    `dir` is shared by every run with the same output_dir, so `resume=auto` finds the newest complete one.
+    """
+
+    dir: str = "${output_dir}/checkpoints"
+    every_n_steps: int | None = 10
+    keep: int = 3
+
+    def __post_init__(self) -> None:
+        steps = self.every_n_steps
+        _require(steps is None or steps > 0, "checkpoint.every_n_steps", steps, "must be > 0, or null (SIGTERM only)")
+        _require(self.keep >= 1, "checkpoint.keep", self.keep, "must be >= 1 (the newest is the one to resume)")
+
+
+@dataclass
 class LabConfig:
     mode: str = "loopback"
     bandwidth_scale: float | None = None
@@ -124,8 +141,9 @@ class TrainConfig:
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     lab: LabConfig = field(default_factory=LabConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     seed: int = 1234
-    resume: str | None = None
+    resume: str | None = None  # a checkpoint directory, or "auto": the newest complete one in checkpoint.dir
     logger: str = "csv"
     output_dir: str = "outputs"
 

@@ -88,16 +88,21 @@ def _supervise(procs: list[RankProcess], topology: Topology, grace_s: float) -> 
     try:
         while True:
             codes = [proc.popen.poll() for proc in procs]
-            failed = next((p for p, c in zip(procs, codes, strict=True) if c not in (None, 0)), None)
+            failures = [p for p, c in zip(procs, codes, strict=True) if c not in (None, 0)]
+            # a rank killed by a signal is the likely cause when its peers then fail too (one poll sees them all)
+            failed = min(failures, key=lambda p: p.popen.returncode > 0) if failures else None
             if failed is not None and not stopping:
                 node = topology.nodes[failed.node].name
                 print(
-                    f"holmes: rank {failed.rank} on node {node} exited with code {failed.popen.returncode}; "
+                    f"holmes: rank {failed.rank} on node {node} {_describe_exit(failed.popen.returncode)}; "
                     f"stopping the other ranks",
                     file=sys.stderr,
                     flush=True,
                 )
                 _stop(procs, grace_s)
+                stuck = [p.rank for p in procs if p.popen.returncode == -signal.SIGKILL and p is not failed]
+                if stuck:
+                    print(f"holmes: ranks {stuck} ignored SIGTERM for {grace_s:g} s and were killed", file=sys.stderr)
                 return failed.popen.returncode if failed.popen.returncode > 0 else 128 - failed.popen.returncode
             if all(c is not None for c in codes):
                 return next((c for c in codes if c != 0), 0)
@@ -106,6 +111,13 @@ def _supervise(procs: list[RankProcess], topology: Topology, grace_s: float) -> 
         _stop(procs, grace_s)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _describe_exit(code: int) -> str:
+    """`exited with code 1`, or `was killed by SIGKILL` (Popen gives -N for a process ended by signal N)."""
+    if code >= 0:
+        return f"exited with code {code}"
+    return f"was killed by {signal.Signals(-code).name if -code in {s.value for s in signal.Signals} else -code}"
 
 
 def _stop(procs: list[RankProcess], grace_s: float) -> None:

@@ -1,0 +1,37 @@
+"""What `train.py` checks before any process starts: the job has a feasible Plan and a usable checkpoint to resume.
+
+The planner is pure Python, so the plan for the configured cluster, model shape and batch is made here from the
+analytic GPT profile: a strategy setting that cannot fit (stages that do not divide the ranks, micro-batches that do
+not divide the batch, a schedule that needs more micro-batches) fails in the launcher, not on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from holmes_lightning import planner
+from holmes_lightning.config import TrainConfig
+from holmes_lightning.planner import BatchSettings, ModelProfile, Plan, PlanOptions
+from holmes_lightning.runtime import checkpoint
+from holmes_lightning.topology import Topology
+
+MODEL_SHAPE = ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size")
+
+
+def check_plan(config: TrainConfig, topology: Topology, batch: BatchSettings, options: PlanOptions) -> Plan:
+    """The plan the job's settings lead to (the ranks plan again on the measured model; its feasibility is the same)."""
+    return planner.plan(topology, ModelProfile.from_gpt(config.model), batch, options)
+
+
+def resume_path(config: TrainConfig, plan: Plan) -> str | None:
+    """`resume`: None, a checkpoint directory, or "auto" (the newest complete one in `checkpoint.dir`, if any).
+
+    The checkpoint must be complete, readable and from this model; `checkpoint.check` says what is wrong otherwise.
+    """
+    if config.resume is None:
+        return None
+    path = checkpoint.latest(config.checkpoint.dir) if config.resume == "auto" else config.resume
+    if path is None:
+        return None
+    shape = {name: value for name, value in asdict(config.model).items() if name in MODEL_SHAPE}
+    return str(checkpoint.check(path, plan, hyperparameters=shape))
