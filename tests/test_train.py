@@ -23,7 +23,7 @@ def run_train(*args: str, command: tuple[str, ...] = ("train.py",), timeout: int
 @pytest.mark.parametrize(
     ("override", "code", "message"),
     [
-        ("model.n_layerz=3", 1, "Key 'n_layerz' not in 'ModelConfig'"),
+        ("model.n_layerz=3", 2, "Key 'n_layerz' not in 'ModelConfig'"),
         ("model.n_heads=3", 2, "model.d_model=128: must be a multiple of model.n_heads=3"),
         ("strategy.schedule=Bogus", 2, "HolmesStrategy(schedule='Bogus'): use one of"),
     ],
