@@ -1,0 +1,159 @@
+"""Checkpoint files on one process: what a save publishes, which directory `latest` picks, what `check` rejects.
+
+torch.distributed.checkpoint saves and loads in a single process without a process group, so these run the real
+save/load code; the multi-process cases (crash mid-save, resume on pp=2 x dp=2) are in test_resume.py.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from holmes_lightning import planner
+from holmes_lightning.config import ModelConfig
+from holmes_lightning.planner import BatchSettings, ModelProfile, Plan
+from holmes_lightning.runtime import checkpoint
+from holmes_lightning.runtime.checkpoint import CheckpointError
+from holmes_lightning.runtime.preemption import HolmesCheckpoint
+from holmes_lightning.topology import Topology
+
+SHAPE = {"n_layers": 2, "d_model": 16}
+
+
+def one_rank_plan(n_layers: int = 2) -> Plan:
+    model = ModelConfig(n_layers=n_layers, d_model=16, n_heads=2, seq_len=8)
+    return planner.plan(
+        Topology.from_config("single_node", devices_per_node=1), ModelProfile.from_gpt(model), BatchSettings(4)
+    )
+
+
+def trained(width: int = 16) -> tuple[nn.Module, torch.optim.Optimizer]:
+    module = nn.Sequential(nn.Linear(4, width), nn.Tanh(), nn.Linear(width, 2))
+    optimizer = torch.optim.AdamW(module.parameters(), lr=0.1)
+    module(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    return module, optimizer
+
+
+def save(directory: Path, step: int, model: tuple[nn.Module, torch.optim.Optimizer] | None = None) -> Path:
+    module, optimizer = model or trained()
+    state = {
+        "state_dict": checkpoint.model_state(module),
+        "optimizer_states": [checkpoint.optimizer_state(module, optimizer)],
+        "global_step": step,
+        "epoch": 0,
+        "hyper_parameters": SHAPE,
+    }
+    path = directory / f"step={step}.ckpt"
+    checkpoint.save(state, path, one_rank_plan(), rank=0, is_global_zero=True, barrier=lambda: None)
+    return path
+
+
+def test_a_save_publishes_one_complete_directory(tmp_path: Path) -> None:
+    path = save(tmp_path, 3)
+    assert [p.name for p in tmp_path.iterdir()] == ["step=3.ckpt"]  # the staging directory became it
+    names = {p.name for p in path.iterdir()}
+    assert {".metadata", "meta.pt", "plan.json", "complete.json", "rng_rank0.pt"} <= names
+    assert any(name.endswith(".distcp") for name in names)
+    assert json.loads((path / "complete.json").read_text()) == {"global_step": 3, "epoch": 0, "world_size": 1}
+    assert checkpoint.check(path, one_rank_plan(), SHAPE) == path
+
+
+def test_load_restores_weights_optimizer_and_random_state(tmp_path: Path) -> None:
+    module, optimizer = trained()
+    random.seed(7)
+    expected_draw = random.random()
+    random.seed(7)
+    path = save(tmp_path, 1, (module, optimizer))
+    fresh, fresh_optimizer = trained()
+    meta, rng = checkpoint.load(path, fresh, [fresh_optimizer], one_rank_plan(), rank=0, strict=True)
+    assert meta["global_step"] == 1
+    for mine, theirs in zip(module.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
+    assert (
+        checkpoint.optimizer_state(fresh, fresh_optimizer).keys()
+        == checkpoint.optimizer_state(module, optimizer).keys()
+    )
+    random.seed(0)
+    random.setstate(rng["python"])
+    assert random.random() == expected_draw
+
+
+def test_loading_into_another_shape_names_the_tensor(tmp_path: Path) -> None:
+    path = save(tmp_path, 1)
+    other, other_optimizer = trained(width=8)
+    with pytest.raises(
+        CheckpointError,
+        match=r"does not fit this model \(Size mismatch between saved torch.Size\(\[16, 4\]\) and current: .*\[8, 4\]",
+    ):
+        checkpoint.load(path, other, [other_optimizer], one_rank_plan(), rank=0, strict=True)
+
+
+def test_latest_is_the_highest_complete_step(tmp_path: Path) -> None:
+    assert checkpoint.latest(tmp_path / "missing") is None
+    assert checkpoint.latest(tmp_path) is None
+    for step in (2, 10, 4):
+        save(tmp_path, step)
+    (tmp_path / ".step=12.ckpt.partial").mkdir()  # a save that crashed
+    copied = tmp_path / "step=11.ckpt"  # a copy that did not finish: no marker
+    copied.mkdir()
+    (copied / "plan.json").write_text("{}")
+    assert checkpoint.latest(tmp_path) == tmp_path / "step=10.ckpt"
+
+
+def test_a_save_clears_what_a_crashed_save_left(tmp_path: Path) -> None:
+    (tmp_path / ".step=6.ckpt.partial").mkdir()
+    save(tmp_path, 9)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step=9.ckpt"]
+
+
+def test_remove_unpublishes_before_deleting(tmp_path: Path) -> None:
+    path = save(tmp_path, 3)
+    checkpoint.remove(path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def _truncate_shard(path: Path) -> None:
+    shard = next(path.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:10])
+
+
+CORRUPTIONS = {
+    "no marker": (lambda p: (p / "complete.json").unlink(), r"is incomplete \(no complete.json"),
+    "truncated shard": (_truncate_shard, r"is corrupt: shard __0_0.distcp has 10 of its \d+ bytes"),
+    "missing shard": (lambda p: next(p.glob("*.distcp")).unlink(), r"is corrupt: shard __0_0.distcp is missing"),
+    "garbage metadata": (lambda p: (p / ".metadata").write_bytes(b"junk"), r"is corrupt: \.metadata is unreadable"),
+    "garbage meta.pt": (lambda p: (p / "meta.pt").write_bytes(b"junk"), r"is corrupt: meta\.pt is unreadable"),
+    "garbage plan": (lambda p: (p / "plan.json").write_text("{"), r"is corrupt: plan\.json is unreadable"),
+}
+
+
+@pytest.mark.parametrize("corruption", CORRUPTIONS)
+def test_a_damaged_checkpoint_is_refused_and_another_offered(tmp_path: Path, corruption: str) -> None:
+    damage, message = CORRUPTIONS[corruption]
+    save(tmp_path, 3)
+    path = save(tmp_path, 6)
+    damage(path)
+    with pytest.raises(CheckpointError, match=message) as error:
+        checkpoint.check(path, one_rank_plan(), SHAPE)
+    assert "resume from another checkpoint" in str(error.value) and "step=3.ckpt" in str(error.value)
+
+
+def test_a_checkpoint_of_another_model_is_refused(tmp_path: Path) -> None:
+    path = save(tmp_path, 3)
+    with pytest.raises(CheckpointError, match=r"holds another model \(d_model=16 there, 32 here\)"):
+        checkpoint.check(path, one_rank_plan(), {"n_layers": 2, "d_model": 32})
+    with pytest.raises(CheckpointError, match="holds a model of 4 pipeline layers, this run has 5"):
+        checkpoint.check(path, one_rank_plan(n_layers=3))
+    with pytest.raises(CheckpointError, match="no such checkpoint directory; resume from another"):
+        checkpoint.check(tmp_path / "step=4.ckpt")
+
+
+def test_keeping_no_checkpoint_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"HolmesCheckpoint\(keep=0\): keep at least 1"):
+        HolmesCheckpoint("unused", keep=0)
