@@ -54,8 +54,9 @@ def _fit(
     ckpt_path: str | None = None,
     saver: ModelCheckpoint | None = None,
     nodes: int = 4,
+    val_loader: Any = None,
 ) -> list[float]:
-    """Fit on `nodes` ranks (or one process with strategy="auto") and return the loss of every training step."""
+    """Fit on `nodes` ranks (or one process with strategy="auto"); the loss of every step, then the last val_loss."""
     recorder = LossRecorder()
     trainer = L.Trainer(
         accelerator="cpu",
@@ -70,8 +71,8 @@ def _fit(
         enable_checkpointing=saver is not None,
         callbacks=[recorder] if saver is None else [recorder, saver],
     )
-    trainer.fit(model, loader, ckpt_path=ckpt_path)
-    return recorder.losses
+    trainer.fit(model, loader, val_loader, ckpt_path=ckpt_path)
+    return [*recorder.losses, *([float(trainer.callback_metrics["val_loss"])] if val_loader else [])]
 
 
 def strategy_cases(checkpoint_dir: str) -> dict[str, Any]:
@@ -158,14 +159,14 @@ def test_plain_module_trains_with_fsdp_over_all_ranks(ranks: list[dict[str, Any]
 
 
 def one_rank_pipeline() -> dict[str, Any]:
-    """Rank side: Interleaved1F1B with pp=1, i.e. two virtual pipeline stages on one device."""
+    """Rank side: Interleaved1F1B with pp=1, i.e. two virtual pipeline stages on one device; then validation."""
     L.seed_everything(SEED)
     strategy = HolmesStrategy(
         cluster=ONE_RANK, schedule="Interleaved1F1B", global_batch=GLOBAL_BATCH, microbatches=4, timeout=60
     )
-    losses = _fit(
-        TinyMLP(), strategy, STEPS_PER_EPOCH, tiny_loader(STEPS_PER_EPOCH * GLOBAL_BATCH, GLOBAL_BATCH), nodes=1
-    )
+    loader = tiny_loader(STEPS_PER_EPOCH * GLOBAL_BATCH, GLOBAL_BATCH)
+    val_loader = tiny_loader(GLOBAL_BATCH, GLOBAL_BATCH, shuffle=False)
+    losses = _fit(TinyMLP(), strategy, STEPS_PER_EPOCH, loader, nodes=1, val_loader=val_loader)
     return {"losses": losses, "chunks": [stage.chunks for stage in strategy.plan.stages]}
 
 
@@ -175,7 +176,9 @@ def test_two_virtual_stages_on_one_device_match_plain_training() -> None:
     assert result["chunks"] == [[[0, 3], [3, 6]]]
     L.seed_everything(SEED)
     loader = tiny_loader(STEPS_PER_EPOCH * GLOBAL_BATCH, GLOBAL_BATCH, single_process_seed=SEED)
-    assert result["losses"] == pytest.approx(_fit(TinyMLP(), "auto", STEPS_PER_EPOCH, loader), rel=1e-4)
+    val_loader = tiny_loader(GLOBAL_BATCH, GLOBAL_BATCH, shuffle=False)
+    reference = _fit(TinyMLP(), "auto", STEPS_PER_EPOCH, loader, val_loader=val_loader)
+    assert result["losses"] == pytest.approx(reference, rel=1e-4)  # training steps, then the validation loss
 
 
 def test_pipeline_without_the_contract_says_what_to_add() -> None:

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
@@ -124,10 +125,16 @@ class Pipeline:
                 f"plan's {microbatches} micro-batches; use a batch size that is a multiple of {microbatches} and "
                 f"drop_last=True in the val/test DataLoader"
             )
-        shape = tuple(inputs.shape)
-        if shape not in self._eval_schedules:  # stage buffers are sized by the first micro-batch they see
-            self._eval_schedules[shape] = self._schedule(microbatches)
-        return self._run(self._eval_schedules[shape].eval, inputs, targets)
+        if self.plan.pp == 1:  # every virtual stage is here: run the chunks in order (torch's eval trips on this)
+            loss = self._run_locally(inputs, targets)
+        else:
+            shape = tuple(inputs.shape)
+            if shape not in self._eval_schedules:  # stage buffers are sized by the first micro-batch they see
+                self._eval_schedules[shape] = self._schedule(microbatches)
+            loss = self._run(self._eval_schedules[shape].eval, inputs, targets)
+        for module in (m for chunk in self.chunks for m in chunk.modules() if isinstance(m, FSDPModule)):
+            module.reshard()  # no backward follows to free the gathered weights
+        return loss
 
     def _run(self, step: Callable, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         losses: list[torch.Tensor] = []
@@ -136,6 +143,18 @@ class Pipeline:
         step(*first, target=targets if self.is_last else None, losses=losses)
         local = torch.stack([loss.detach().float() for loss in losses]).mean() if losses else None
         return shared_loss(local, self.plan.dp, self.device)
+
+    def _run_locally(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        losses = []
+        for x, y in zip(
+            inputs.to(self.device).chunk(self.plan.microbatches),
+            targets.to(self.device).chunk(self.plan.microbatches),
+            strict=True,
+        ):
+            for chunk in self.chunks:
+                x = chunk(x)
+            losses.append(self.loss_fn(x, y).detach().float())
+        return shared_loss(torch.stack(losses).mean(), self.plan.dp, self.device)
 
 
 def shared_loss(local: torch.Tensor | None, dp: int, device: torch.device) -> torch.Tensor:
