@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from enum import Enum
@@ -255,8 +256,8 @@ def _devices_per_node(spec: ClusterSpec, group: ClusterGroupSpec) -> int:
 
 
 def _positive(value: float | int | None, field_name: str, fix: str) -> None:
-    if value is None or isinstance(value, bool) or value <= 0:
-        raise TopologyError(f"{field_name}={value!r}: must be > 0; {fix}")
+    if value is None or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise TopologyError(f"{field_name}={value!r}: must be a finite number > 0; {fix}")
 
 
 def _validate(spec: ClusterSpec) -> None:
