@@ -139,13 +139,11 @@ def test_probe_config_errors_name_the_field(capsys):
 @needs_lab
 @pytest.mark.slow
 @pytest.mark.lab
-def test_probe_measures_configured_rate_per_link_class(tmp_path):
+def test_probe_measures_configured_rate_per_link_class(tmp_path, capfd):
     out, picture = tmp_path / "measured.json", tmp_path / "measured.png"
-    command = [sys.executable, "-m", "holmes_lightning.lab.probe", "cluster=two_cluster_mixed"]
-    command += [f"lab.bandwidth_scale={SCALE}", "probe.seconds=0.25", f"probe.out={out}", f"probe.plot={picture}"]
-    probe = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    output, _ = probe.communicate(timeout=300)
-    assert probe.returncode == 0, output
+    overrides = ["cluster=two_cluster_mixed", f"lab.bandwidth_scale={SCALE}", "probe.seconds=0.25"]
+    assert probe_main([*overrides, f"probe.out={out}", f"probe.plot={picture}"]) == 0
+    output = capfd.readouterr().out
     data = json.loads(out.read_text())
     assert set(data["links"]) == {"rdma:A", "rdma:B", "inter_cluster"}
     for source in ("links", "raw_tcp"):  # gloo send/recv and a plain TCP socket
@@ -155,7 +153,7 @@ def test_probe_measures_configured_rate_per_link_class(tmp_path):
     measured = Topology.from_config("two_cluster_mixed", measured=str(out))
     assert measured.link(0, 1).gbps == data["links"]["rdma:A"]  # the probe writes the keys Topology reads
     assert measured.link(0, 2).gbps == data["links"]["inter_cluster"]
-    assert _namespaces_of(probe.pid) == []
+    assert _namespaces_of(os.getpid()) == []
 
 
 def allreduce_seconds(numel: int, repeats: int) -> dict[str, float]:
@@ -231,7 +229,7 @@ def _start_sleeping_lab() -> tuple[subprocess.Popen, list[int]]:
 @needs_lab
 @pytest.mark.slow
 @pytest.mark.lab
-@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_stop_signal_tears_the_network_down(stop):
     run, ranks = _start_sleeping_lab()
     run.send_signal(stop)

@@ -15,7 +15,7 @@ from holmes_lightning.launch import launch
 from holmes_lightning.runtime.environment import FABRIC_ADDRESS_ENV, NODE_ADDRESS_ENV
 from holmes_lightning.topology import Topology
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # Ctrl-C already raises KeyboardInterrupt
 
 
 def node_env(plan: LabPlan, node: int) -> dict[str, str]:
@@ -31,23 +31,24 @@ def node_env(plan: LabPlan, node: int) -> dict[str, str]:
 
 @contextmanager
 def _torn_down(plan: LabPlan) -> Iterator[None]:
-    """SIGTERM ends the run like Ctrl-C does; on any exit the namespaces go, with stop signals held back meanwhile."""
+    """SIGTERM/SIGHUP end the run like Ctrl-C does; on any exit the namespaces go, stop signals held back meanwhile."""
 
     def stop(signum: int, _frame: object) -> None:
         raise SystemExit(128 + signum)
 
     in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, stop) if in_main_thread else None
+    previous = {sig: signal.signal(sig, stop) for sig in EXIT_SIGNALS} if in_main_thread else {}
     try:
         yield
     finally:
         if in_main_thread:
-            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, *EXIT_SIGNALS))
         try:
             remove_namespaces(plan.namespaces)
         finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, signal.SIG_DFL if handler is None else handler)
             if in_main_thread:
-                signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
                 signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
