@@ -16,7 +16,7 @@ LABELS = {
     "holmes_homogeneous": "Holmes, homogeneous limit",
     "fsdp": "Lightning FSDP2, flat (ModelParallelStrategy)",
     "ddp": "Lightning DDPStrategy",
-    "nic_unaware": "pp x FSDP, NIC-unaware layout",
+    "nic_unaware": "pipeline x DP, NIC-unaware layout",
     "holmes_unequal": "Holmes auto partition, unequal clusters",
     "uniform_unequal": "Holmes uniform partition, unequal clusters",
 }
