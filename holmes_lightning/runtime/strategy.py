@@ -194,7 +194,9 @@ class HolmesStrategy(ModelParallelStrategy):
                 f"`self.example_input_array = <input tensor, samples first>` in __init__, or pass "
                 f"HolmesStrategy(profile=ModelProfile...)"
             )
-        return ModelProfile.from_modules(module.pipeline_layers(), sample, name=type(module).__name__)
+        # On CPU the cluster's TFLOPS describe GPUs that are not here: time the layers so compute is weighed right.
+        repeats = 3 if self.root_device.type == "cpu" else 0
+        return ModelProfile.from_modules(module.pipeline_layers(), sample, type(module).__name__, repeats)
 
     def _check_given_plan(self, given: Plan) -> Plan:
         assert self.topology is not None
