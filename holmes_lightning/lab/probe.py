@@ -26,7 +26,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from holmes_lightning.config import LabConfig, register_configs
-from holmes_lightning.lab.bandwidth import gloo_seconds, pair_group, socket_seconds
+from holmes_lightning.lab.bandwidth import gloo_bytes_per_s, pair_group, socket_bytes_per_s
 from holmes_lightning.lab.plan import BANDWIDTH_SCALE_ENV, format_scale
 from holmes_lightning.lab.run import run_in_lab
 from holmes_lightning.launch import launch
@@ -137,11 +137,11 @@ def measure(config: ProbeConfig, topology: Topology) -> int:
         if rank in (pair.sender, pair.receiver):
             nbytes = _nbytes(pair.gbps, scale, config.probe)
             peer = addresses[pair.receiver if rank == pair.sender else pair.sender][pair.via]
-            gloo_s = gloo_seconds(group, pair.sender, pair.receiver, nbytes)
-            socket_s = socket_seconds(rank == pair.sender, own, peer, nbytes, f"probe/{pair.index}")
+            gloo = gloo_bytes_per_s(group, pair.sender, pair.receiver, nbytes)
+            raw = socket_bytes_per_s(rank == pair.sender, own, peer, nbytes, f"probe/{pair.index}")
             dist.destroy_process_group(group)
-            if rank == pair.sender:
-                result = Result(pair, nbytes * 8 / gloo_s / 1e6, nbytes * 8 / socket_s / 1e6)
+            if rank == pair.receiver:
+                result = Result(pair, gloo * 8 / 1e6, raw * 8 / 1e6)
                 results.append(result)
                 print(_progress(topology, result, len(pairs), scale), flush=True)
         dist.barrier()
