@@ -129,8 +129,17 @@ class CheckpointConfig:
 
 @dataclass
 class LabConfig:
+    """Where the ranks run: `loopback` (this machine as it is) or `emulate` (the lab's shaped network, needs root)."""
+
     mode: str = "loopback"
     bandwidth_scale: float | None = None
+
+    def __post_init__(self) -> None:
+        modes = ("loopback", "emulate")
+        _require(self.mode in modes, "lab.mode", self.mode, f"use one of {modes} (lab=emulate runs in the lab)")
+        scale = self.bandwidth_scale
+        fix = "must be > 0, e.g. 0.002 (200 Gb/s -> 400 Mb/s), or null to match this CPU"
+        _require(scale is None or scale > 0, "lab.bandwidth_scale", scale, fix)
 
 
 @dataclass

@@ -60,7 +60,8 @@ def run_in_lab(topology: Topology, command: Sequence[str], bandwidth_scale: floa
     """
     reason = unavailable_reason()
     if reason is None:
-        scale, why = (bandwidth_scale, "lab.bandwidth_scale") if bandwidth_scale else default_bandwidth_scale(topology)
+        chosen = bandwidth_scale is not None
+        scale, why = (bandwidth_scale, "lab.bandwidth_scale") if chosen else default_bandwidth_scale(topology)
         plan = plan_lab(topology, scale)
         try:
             with _torn_down(plan):
