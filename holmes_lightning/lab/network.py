@@ -93,7 +93,12 @@ def _hosts_file(plan: LabPlan) -> str:
 
 
 def _node_commands(node: LabNode) -> list[str]:
-    commands = ["link set lo up", f"link set {DEVICE} mtu {MTU}", f"address add {node.ethernet}/24 dev {DEVICE}"]
+    commands = [
+        "link set lo up",
+        # one frame per packet: a GSO super-packet (up to 64 KB) would leave HTB in one go, too coarse at a few Mb/s
+        f"link set dev {DEVICE} mtu {MTU} gso_max_segs 1",
+        f"address add {node.ethernet}/24 dev {DEVICE}",
+    ]
     if node.fabric:
         commands.append(f"address add {node.fabric}/24 dev {DEVICE}")
     commands.append(f"link set {DEVICE} up")
