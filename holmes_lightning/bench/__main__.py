@@ -1,7 +1,7 @@
 """`python -m holmes_lightning.bench [bench=short|full] [bench.variants=[...]]`: every variant in the lab, one run.
 
-`bench=short` (default, README) takes about 5 minutes on 2 idle cores; `bench=full` (wider model, larger batch,
-8 measured steps) about 25. Needs root for the lab's namespaces (without, links are not shaped and it says so).
+`bench=short` (default, README) took 12 minutes on 2 busy cores; `bench=full` (wider model, larger batch,
+8 measured steps) 28. Needs root for the lab's namespaces (without, links are not shaped and it says so).
 
 Method: the same GPT, byte corpus, global batch and steps for every variant, each started in the lab on its own
 emulated network: Holmes on the hybrid cluster, on its homogeneous limit (`Topology.homogeneous()`) and with the
