@@ -14,7 +14,7 @@ from dataclasses import asdict
 import hydra
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import ConfigCompositionException
+from hydra.errors import ConfigCompositionException, HydraException, OverrideParseException
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -28,7 +28,7 @@ from holmes_lightning.runtime.checkpoint import CheckpointError
 from holmes_lightning.runtime.environment import default_environment
 from holmes_lightning.runtime.pipeline import ContractError
 from holmes_lightning.runtime.preemption import HolmesCheckpoint
-from holmes_lightning.topology import Topology, TopologyError
+from holmes_lightning.topology import Topology, TopologyError, config_dir
 from recipes import GPT, ByteCorpusDataModule, RunSummary, throughput_monitor
 
 register_configs()
@@ -39,7 +39,7 @@ KNOWN_ERRORS = (ConfigError, TopologyError, PlanError, CheckpointError, Contract
 TRACEBACKS = os.environ.get("HYDRA_FULL_ERROR") == "1"  # asked for: known errors then show theirs too
 
 
-@hydra.main(version_base=None, config_path="conf", config_name="config")
+@hydra.main(version_base=None, config_path=str(config_dir()), config_name="config")
 def main(cfg: DictConfig) -> None:
     if not TRACEBACKS:  # set below only so that Hydra raises its config errors; the ranks need not inherit it
         os.environ.pop("HYDRA_FULL_ERROR", None)
@@ -68,7 +68,9 @@ def exit_with_error(err: BaseException, where: str = "") -> None:
     if TRACEBACKS:
         raise err
     message = str(err).strip()
-    if isinstance(err, ConfigCompositionException) and err.__cause__:  # "Could not override x" + why, on one line
+    if isinstance(err, OverrideParseException):  # Hydra does not say which override; values with `=` need quotes
+        message = f"{err.override}: {message.splitlines()[0]} (quote a value with = or spaces: key='a=b')"
+    elif isinstance(err, ConfigCompositionException) and err.__cause__:  # "Could not override x" + why, on one line
         first, *rest = message.splitlines()
         message = "; ".join([f"{first.rstrip('.')}: {str(err.__cause__).splitlines()[0]}", *rest])
     print(f"error: {where}{message}", file=sys.stderr, flush=True)
@@ -164,9 +166,14 @@ def make_logger(config: TrainConfig, run_dir: str) -> Logger:
     return CSVLogger(save_dir=run_dir, name="csv", version="")
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """`python train.py OVERRIDES...`: Hydra's config errors too end in one `error:` line and exit code 2."""
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its config errors to us instead of exiting with code 1
     try:
         main()
-    except (ConfigCompositionException, OmegaConfBaseException) as error:
+    except (HydraException, OmegaConfBaseException) as error:
         exit_with_error(error)
+
+
+if __name__ == "__main__":
+    cli()

@@ -112,7 +112,7 @@ class TrainerConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Sharded checkpoints `step=N.ckpt` in `dir` every `every_n_steps` steps (null: only on SIGTERM), `keep` newest.
+    """Checkpoints `step_00000N.ckpt` in `dir` every `every_n_steps` steps (null: only on SIGTERM), the `keep` newest.
 
     `dir` is shared by every run with the same output_dir, so `resume=auto` finds the newest complete one.
     """

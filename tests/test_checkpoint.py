@@ -49,14 +49,14 @@ def save(directory: Path, step: int, model: tuple[nn.Module, torch.optim.Optimiz
         "epoch": 0,
         "hyper_parameters": SHAPE,
     }
-    path = directory / f"step={step}.ckpt"
+    path = directory / f"step_{step:06d}.ckpt"
     checkpoint.save(state, path, one_rank_plan(), rank=0, is_global_zero=True, barrier=lambda: None)
     return path
 
 
 def test_a_save_publishes_one_complete_directory(tmp_path: Path) -> None:
     path = save(tmp_path, 3)
-    assert [p.name for p in tmp_path.iterdir()] == ["step=3.ckpt"]  # the staging directory became it
+    assert [p.name for p in tmp_path.iterdir()] == ["step_000003.ckpt"]  # the staging directory became it
     names = {p.name for p in path.iterdir()}
     assert {".metadata", "meta.pt", "plan.json", "complete.json", "rng_rank0.pt"} <= names
     assert any(name.endswith(".distcp") for name in names)
@@ -99,17 +99,17 @@ def test_latest_is_the_highest_complete_step(tmp_path: Path) -> None:
     assert checkpoint.latest(tmp_path) is None
     for step in (2, 10, 4):
         save(tmp_path, step)
-    (tmp_path / ".step=12.ckpt.partial").mkdir()  # a save that crashed
-    copied = tmp_path / "step=11.ckpt"  # a copy that did not finish: no marker
+    (tmp_path / ".step_000012.ckpt.partial").mkdir()  # a save that crashed
+    copied = tmp_path / "step_000011.ckpt"  # a copy that did not finish: no marker
     copied.mkdir()
     (copied / "plan.json").write_text("{}")
-    assert checkpoint.latest(tmp_path) == tmp_path / "step=10.ckpt"
+    assert checkpoint.latest(tmp_path) == tmp_path / "step_000010.ckpt"
 
 
 def test_a_save_clears_what_a_crashed_save_left(tmp_path: Path) -> None:
-    (tmp_path / ".step=6.ckpt.partial").mkdir()
+    (tmp_path / ".step_000006.ckpt.partial").mkdir()
     save(tmp_path, 9)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step=9.ckpt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000009.ckpt"]
 
 
 def test_remove_unpublishes_before_deleting(tmp_path: Path) -> None:
@@ -141,7 +141,7 @@ def test_a_damaged_checkpoint_is_refused_and_another_offered(tmp_path: Path, cor
     damage(path)
     with pytest.raises(CheckpointError, match=message) as error:
         checkpoint.check(path, one_rank_plan(), SHAPE)
-    assert "resume from another checkpoint" in str(error.value) and "step=3.ckpt" in str(error.value)
+    assert "resume from another checkpoint" in str(error.value) and "step_000003.ckpt" in str(error.value)
 
 
 def test_a_checkpoint_of_another_model_is_refused(tmp_path: Path) -> None:
@@ -151,7 +151,7 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="holds a model of 4 pipeline layers, this run has 5"):
         checkpoint.check(path, one_rank_plan(n_layers=3))
     with pytest.raises(CheckpointError, match="no such checkpoint directory; resume from another"):
-        checkpoint.check(tmp_path / "step=4.ckpt")
+        checkpoint.check(tmp_path / "step_000004.ckpt")
 
 
 def test_keeping_no_checkpoint_is_refused() -> None:

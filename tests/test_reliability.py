@@ -143,7 +143,7 @@ def _train(output_dir: Path, *args: str) -> subprocess.Popen:
 @pytest.mark.slow
 def test_sigterm_to_train_py_checkpoints_and_resume_auto_continues(tmp_path: Path) -> None:
     job = _train(tmp_path)
-    first = tmp_path / "checkpoints" / "step=5.ckpt"
+    first = tmp_path / "checkpoints" / "step_000005.ckpt"
     deadline = time.monotonic() + 300
     while not first.exists() and job.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -154,11 +154,11 @@ def test_sigterm_to_train_py_checkpoints_and_resume_auto_continues(tmp_path: Pat
     assert stopped, (out + err)[-3000:]
     step = int(stopped.group(1))
     assert 5 <= step < 40
-    assert checkpoint.latest(tmp_path / "checkpoints") == tmp_path / "checkpoints" / f"step={step}.ckpt"
+    assert checkpoint.latest(tmp_path / "checkpoints") == tmp_path / "checkpoints" / f"step_{step:06d}.ckpt"
 
     resumed = _train(tmp_path, "resume=auto")
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err[-3000:]
-    assert f"resuming from {tmp_path / 'checkpoints' / f'step={step}.ckpt'}" in out
+    assert f"resuming from {tmp_path / 'checkpoints' / f'step_{step:06d}.ckpt'}" in out
     assert re.search(rf"holmes: {40 - step} steps, train loss", out), out[-3000:]
-    assert checkpoint.latest(tmp_path / "checkpoints") == tmp_path / "checkpoints" / "step=40.ckpt"
+    assert checkpoint.latest(tmp_path / "checkpoints") == tmp_path / "checkpoints" / "step_000040.ckpt"

@@ -98,7 +98,7 @@ def fit(directory: Path, ckpt_path: Path | None = None, callbacks: tuple[L.Callb
 
 def crash_while_saving(directory: str) -> None:
     """Rank side of launch 1: rank 1 is SIGKILLed while step 6 is being saved; the job must not publish it."""
-    fit(Path(directory), callbacks=(KillWhileSaving(CRASH_RANK, f"step={CRASH_STEP}.ckpt"),))
+    fit(Path(directory), callbacks=(KillWhileSaving(CRASH_RANK, f"step_{CRASH_STEP:06d}.ckpt"),))
 
 
 def resume_cases(root: str, crashed: str) -> dict[str, Any]:
@@ -138,16 +138,16 @@ def ranks(tmp_path_factory: pytest.TempPathFactory, crashed: tuple[Path, str]) -
 def test_a_crash_while_saving_leaves_the_last_good_checkpoint(crashed: tuple[Path, str]) -> None:
     directory, _ = crashed
     published = sorted(p.name for p in directory.iterdir() if not p.name.startswith("."))
-    assert published == ["step=3.ckpt"]  # step 6 never appeared under its name
-    assert (directory / f".step={CRASH_STEP}.ckpt.partial").is_dir()  # the interrupted save, left aside
-    assert checkpoint.latest(directory) == directory / "step=3.ckpt"
-    checkpoint.check(directory / "step=3.ckpt")  # complete and readable
+    assert published == ["step_000003.ckpt"]  # step 6 never appeared under its name
+    assert (directory / f".step_{CRASH_STEP:06d}.ckpt.partial").is_dir()  # the interrupted save, left aside
+    assert checkpoint.latest(directory) == directory / "step_000003.ckpt"
+    checkpoint.check(directory / "step_000003.ckpt")  # complete and readable
 
 
 @pytest.mark.slow
 def test_resume_after_the_crash_continues_the_uninterrupted_run(ranks: list[dict[str, Any]]) -> None:
     for result in ranks:
-        assert result["crash_checkpoint"] == "step=3.ckpt"
+        assert result["crash_checkpoint"] == "step_000003.ckpt"
         assert result["resumed_after_crash"] == pytest.approx(result["uninterrupted"][3:], rel=1e-6)
 
 
@@ -155,7 +155,7 @@ def test_resume_after_the_crash_continues_the_uninterrupted_run(ranks: list[dict
 def test_sigterm_on_some_ranks_checkpoints_the_same_step_everywhere(ranks: list[dict[str, Any]]) -> None:
     for result in ranks:
         assert len(result["preempted"]) == PREEMPT_AT  # every rank stopped after the same step
-        assert result["preemption_checkpoint"] == f"step={PREEMPT_AT}.ckpt"
+        assert result["preemption_checkpoint"] == f"step_{PREEMPT_AT:06d}.ckpt"
 
 
 @pytest.mark.slow
@@ -167,4 +167,4 @@ def test_mid_epoch_resume_gives_the_uninterrupted_losses(ranks: list[dict[str, A
 
 @pytest.mark.slow
 def test_only_the_newest_checkpoints_are_kept(ranks: list[dict[str, Any]]) -> None:
-    assert ranks[0]["kept"] == ["step=6.ckpt", "step=9.ckpt"]  # step 3 removed once two newer ones existed
+    assert ranks[0]["kept"] == ["step_000006.ckpt", "step_000009.ckpt"]  # step 3 removed once two newer ones existed

@@ -24,7 +24,7 @@ STOP_SIGNALS = (signal.SIGTERM,)
 
 
 class HolmesCheckpoint(ModelCheckpoint):
-    """Checkpoint `step=N.ckpt` every `every_n_steps` optimizer steps into `dirpath`, keeping the `keep` newest.
+    """Checkpoint `step_00000N.ckpt` every `every_n_steps` optimizer steps into `dirpath`, keeping the `keep` newest.
 
     On one of `signals` (SIGTERM by default) every rank saves at the next step boundary and training stops; the
     process then exits normally, and `resume=auto` (`checkpoint.latest`) continues from that checkpoint.
@@ -41,7 +41,8 @@ class HolmesCheckpoint(ModelCheckpoint):
             raise ValueError(f"HolmesCheckpoint(keep={keep}): keep at least 1 checkpoint, or resuming is impossible")
         super().__init__(
             dirpath=dirpath,
-            filename="{step}",
+            filename="step_{step:06d}",  # no `=` in the name: a Hydra override needs no quotes to resume it
+            auto_insert_metric_name=False,
             monitor="step",
             mode="max",
             save_top_k=keep,
