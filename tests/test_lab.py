@@ -22,7 +22,8 @@ from holmes_lightning.lab.network import list_namespaces, unavailable_reason
 from holmes_lightning.lab.plan import format_scale, run_prefix
 from holmes_lightning.lab.probe import load_config, plan_pairs
 from holmes_lightning.lab.probe import main as probe_main
-from holmes_lightning.lab.scale import cpu_gflops, default_bandwidth_scale
+from holmes_lightning.lab.scale import default_bandwidth_scale
+from holmes_lightning.planner.measure import cpu_rank_gflops
 from holmes_lightning.runtime.environment import NICGroupingEnvironment
 from holmes_lightning.runtime.groups import group_transport, new_group
 from holmes_lightning.topology import Topology, TopologyError
@@ -109,7 +110,7 @@ def test_bad_scale_names_the_field_and_the_fix(scale, field):
 def test_default_scale_matches_this_cpu_to_the_device():
     topology = Topology.from_config("two_cluster_mixed")
     scale, why = default_bandwidth_scale(topology)
-    per_rank = cpu_gflops() * min(1, len(os.sched_getaffinity(0)) / topology.world_size)
+    per_rank = cpu_rank_gflops(topology.world_size)
     assert 0.5 < scale * 312_000 / per_rank < 2  # a second timing on a shared CPU: same order, not same digits
     assert format_scale(scale) in why and "GFLOP/s" in why
     assert format_scale(0.002) == "1/500"

@@ -9,34 +9,10 @@ network-bound here, and the gaps between layouts keep their size.
 from __future__ import annotations
 
 import math
-import os
-import time
-
-import torch
 
 from holmes_lightning.lab.plan import MAX_LAB_MBIT, format_scale
+from holmes_lightning.planner.measure import available_cores, cpu_rank_gflops
 from holmes_lightning.topology import Topology
-
-MATMUL_SIZE = 384
-
-
-def cpu_gflops(seconds: float = 0.25) -> float:
-    """Single-thread fp32 matmul throughput of this CPU, as one lab rank sees it.
-
-    The fastest of many short matmuls: other work on a shared machine slows some of them, not the CPU itself.
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        a, b = torch.randn(MATMUL_SIZE, MATMUL_SIZE), torch.randn(MATMUL_SIZE, MATMUL_SIZE)
-        fastest, deadline = float("inf"), time.perf_counter() + seconds
-        while time.perf_counter() < deadline:
-            start = time.perf_counter()
-            a @ b
-            fastest = min(fastest, time.perf_counter() - start)
-        return 2 * MATMUL_SIZE**3 / fastest / 1e9
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _round_up(value: float) -> float:
@@ -47,9 +23,8 @@ def _round_up(value: float) -> float:
 
 def default_bandwidth_scale(topology: Topology) -> tuple[float, str]:
     """The scale, 1/N with N rounded up to two significant digits, and one line saying how it was chosen."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    share = min(1.0, cores / topology.world_size)
-    per_rank = cpu_gflops() * share
+    cores = available_cores()
+    per_rank = cpu_rank_gflops(topology.world_size)
     device_tflops = max(node.device_tflops for node in topology.nodes)
     scale = 1 / _round_up(device_tflops * 1000 / per_rank)
     why = (

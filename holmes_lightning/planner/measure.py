@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -75,3 +76,34 @@ def _time(module: nn.Module, inputs: torch.Tensor, repeats: int) -> tuple[float,
         backwards.append(time.perf_counter() - middle)
     module.zero_grad(set_to_none=True)
     return statistics.median(forwards[1:]), statistics.median(backwards[1:])
+
+
+MATMUL_SIZE = 384
+
+
+def cpu_gflops(seconds: float = 0.25) -> float:
+    """Single-thread fp32 matmul throughput of this CPU, as one lab rank sees it.
+
+    The fastest of many short matmuls: other work on a shared machine slows some of them, not the CPU itself.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(MATMUL_SIZE, MATMUL_SIZE), torch.randn(MATMUL_SIZE, MATMUL_SIZE)
+        fastest, deadline = float("inf"), time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            start = time.perf_counter()
+            a @ b
+            fastest = min(fastest, time.perf_counter() - start)
+        return 2 * MATMUL_SIZE**3 / fastest / 1e9
+    finally:
+        torch.set_num_threads(threads)
+
+
+def available_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def cpu_rank_gflops(world_size: int) -> float:
+    """What one of `world_size` single-thread ranks on this machine computes: its core share of `cpu_gflops`."""
+    return cpu_gflops() * min(1.0, available_cores() / world_size)

@@ -33,6 +33,7 @@ from torch.optim import Optimizer
 
 from holmes_lightning import planner
 from holmes_lightning.planner import SCHEDULES, BatchSettings, LayerProfile, ModelProfile, Plan, PlanOptions
+from holmes_lightning.planner.measure import cpu_rank_gflops
 from holmes_lightning.planner.planner import LAYOUTS
 from holmes_lightning.planner.report import format_plan
 from holmes_lightning.runtime import checkpoint, resume
@@ -194,9 +195,7 @@ class HolmesStrategy(ModelParallelStrategy):
                 f"`self.example_input_array = <input tensor, samples first>` in __init__, or pass "
                 f"HolmesStrategy(profile=ModelProfile...)"
             )
-        # On CPU the cluster's TFLOPS describe GPUs that are not here: time the layers so compute is weighed right.
-        repeats = 3 if self.root_device.type == "cpu" else 0
-        return ModelProfile.from_modules(module.pipeline_layers(), sample, type(module).__name__, repeats)
+        return ModelProfile.from_modules(module.pipeline_layers(), sample, name=type(module).__name__)
 
     def _check_given_plan(self, given: Plan) -> Plan:
         assert self.topology is not None
@@ -219,7 +218,16 @@ class HolmesStrategy(ModelParallelStrategy):
                 "HolmesStrategy(global_batch=None): the planner needs the samples per optimizer step; pass "
                 "global_batch=<sequences per step over all DP replicas>"
             )
-        return planner.plan(self.topology, profile, self.batch, self.options)
+        return planner.plan(self.topology, profile, self.batch, self._options_for_this_machine())
+
+    def _options_for_this_machine(self) -> PlanOptions:
+        """On CPU the cluster's TFLOPS describe GPUs that are not here: cost compute at this CPU's matmul speed."""
+        assert self.topology is not None
+        if self.root_device.type != "cpu":
+            return self.options
+        peak_gflops = 1000 * max(node.device_tflops for node in self.topology.nodes)
+        efficiency = min(1.0, cpu_rank_gflops(self.topology.world_size) / peak_gflops)
+        return replace(self.options, efficiency=efficiency)
 
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.lightning_module is not None
