@@ -47,6 +47,7 @@ class HolmesCheckpoint(ModelCheckpoint):
             mode="max",
             save_top_k=keep,
             every_n_train_steps=every_n_steps or 0,
+            every_n_epochs=0,  # not also after each validation, ModelCheckpoint's default without every_n_train_steps
             save_on_train_epoch_end=False,
         )
         self.signals = tuple(signals)
