@@ -14,7 +14,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,14 +46,8 @@ def rank_run(args: argparse.Namespace) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     from holmes_lightning import HolmesStrategy
+    from holmes_lightning.bench.worker import StepTimer
     from recipes import GPT
-
-    class StepTimer(L.Callback):
-        def __init__(self) -> None:
-            self.ends: list[float] = []
-
-        def on_train_batch_end(self, *_args: object) -> None:
-            self.ends.append(time.perf_counter())
 
     L.seed_everything(0)
     model = GPT(n_layers=args.n_layers, d_model=args.d_model, n_heads=4, seq_len=args.seq_len, warmup_steps=1)
@@ -67,7 +60,7 @@ def rank_run(args: argparse.Namespace) -> None:
         strategy, replicas = DDPStrategy(process_group_backend="gloo"), 4
     tokens = torch.randint(0, 256, (args.steps * args.global_batch, args.seq_len + 1))
     data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
-    timer = StepTimer()
+    timer = StepTimer(args.rank_run, args.steps, trace_step=None, trace_path=OUT / "unused")
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -83,7 +76,7 @@ def rank_run(args: argparse.Namespace) -> None:
     )
     trainer.fit(model, DataLoader(data, batch_size=args.global_batch // replicas, drop_last=True))
     if trainer.is_global_zero:
-        steps = [b - a for a, b in zip(timer.ends[args.warmup :], timer.ends[args.warmup + 1 :], strict=False)]
+        steps = timer.seconds[args.warmup + 1 :]  # the same intervals as end-to-end differences after warm-up
         step_s = statistics.median(steps)
         result = {"step_s": step_s, "tokens_per_s": args.global_batch * args.seq_len / step_s, "steps": steps}
         if args.rank_run == "holmes":
