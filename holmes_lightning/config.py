@@ -67,7 +67,7 @@ class StrategyConfig:
     partition: Any = "auto"
     pp: int | None = None
     dp: int | None = None
-    sharding: str = "fsdp"
+    sharding: str = "auto"
     timeout_s: float = 120.0
 
 
@@ -169,6 +169,7 @@ class PlanConfig:
     memory_limit_gb: float | None = None
     chunks_per_stage: int = 2
     bytes_per_value: int = 2
+    backend: str = "nccl"
 
     def __post_init__(self) -> None:
         _require(self.bytes_per_value in (2, 4), "plan.bytes_per_value", self.bytes_per_value, "use 2 (bf16) or 4")

@@ -33,6 +33,7 @@ def run(config: PlanJobConfig) -> dict:
         pp=strategy.pp,
         dp=strategy.dp,
         sharding=strategy.sharding,
+        backend=knobs.backend,
         chunks_per_stage=knobs.chunks_per_stage,
         efficiency=knobs.efficiency,
         dp_overlap=knobs.dp_overlap,

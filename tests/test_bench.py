@@ -21,7 +21,7 @@ def test_every_variant_is_planned_and_reported(tmp_path):
     assert [v.name for v in variants] == list(VARIANTS)
     plans = {v.name: v.plan for v in variants}
     assert {p.global_batch for p in plans.values()} == {8}
-    assert (plans["holmes_hybrid"].pp, plans["fsdp"].pp, plans["ddp"].sharding) == (2, 1, "ddp")
+    assert (plans["holmes_hybrid"].pp, plans["fsdp"].pp, plans["ddp"].sharding) == (2, 1, "none")
     assert plans["nic_unaware"].layout == "nic_unaware" and hardware.unequal.nodes[2].nic_gbps == 50
     slow = [s for s in plans["holmes_unequal"].stages if s.cluster == "B"][0]  # fewer layers than a uniform split
     assert len(slow.layers) < profile.num_layers / 2

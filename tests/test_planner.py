@@ -253,3 +253,37 @@ def test_memory_limit_pushes_the_plan_to_more_stages():
     assert all(p.prediction.memory_gb <= limit for p in plans.values())
     for name in {"uniform", "nic_unaware", "flat_fsdp", "homogeneous"} - set(plans):
         assert any(note.startswith(f"alternative {name} is infeasible") for note in plans["holmes"].notes)
+
+
+def test_gloo_fsdp_pays_an_all_reduce_for_its_reduce_scatter():
+    """On gloo FSDP moves 3 (n-1)/n of the bytes, replicas 2 (n-1)/n; on NCCL both move 2 (n-1)/n."""
+    topology = Topology.from_config("two_cluster_mixed")
+    batch = BatchSettings(global_batch=16)
+
+    def sync(backend: str, sharding: str) -> float:
+        options = PlanOptions(pp=2, backend=backend, sharding=sharding, dp_overlap=0.0)
+        return sum(stage.sync_s for stage in plan(topology, GPT_SMALL, batch, options).stages)
+
+    assert sync("gloo", "fsdp") == pytest.approx(1.5 * sync("gloo", "none"))
+    assert sync("nccl", "fsdp") == pytest.approx(sync("nccl", "none"))
+    assert sync("gloo", "none") == pytest.approx(sync("nccl", "none"))
+
+
+def test_auto_sharding_picks_replicas_on_gloo_fsdp_on_nccl_and_fsdp_when_replicas_do_not_fit():
+    topology = Topology.from_config("two_cluster_mixed")
+    batch = BatchSettings(global_batch=16)
+    assert plan(topology, GPT_SMALL, batch, PlanOptions(backend="gloo", pp=2)).sharding == "none"
+    assert plan(topology, GPT_SMALL, batch, PlanOptions(backend="nccl", pp=2)).sharding == "fsdp"
+    replicas = plan(topology, GPT_SMALL, batch, PlanOptions(backend="gloo", sharding="none", pp=2))
+    sharded = plan(topology, GPT_SMALL, batch, PlanOptions(backend="gloo", sharding="fsdp", pp=2))
+    assert sharded.prediction.memory_gb < replicas.prediction.memory_gb
+    limit = (sharded.prediction.memory_gb + replicas.prediction.memory_gb) / 2
+    tight = PlanOptions(backend="gloo", pp=2, memory_limit_gb=limit)
+    assert plan(topology, GPT_SMALL, batch, tight).sharding == "fsdp"
+
+
+def test_dp_sync_hides_only_under_the_last_micro_batch_backward():
+    topology = Topology.from_config("two_cluster_mixed")
+    result = plan(topology, GPT_SMALL, BatchSettings(global_batch=16), PlanOptions(pp=2, dp_overlap=1.0))
+    for stage in result.stages:
+        assert stage.exposed_sync_s == pytest.approx(max(stage.sync_s - sum(stage.backward_s), 0.0))

@@ -197,7 +197,7 @@ def test_batches_must_be_inputs_and_targets() -> None:
     ("arguments", "message"),
     [
         ({"schedule": "ZBVZeroBubble"}, r"schedule='ZBVZeroBubble'\): use one of GPipe, 1F1B, Interleaved1F1B"),
-        ({"sharding": "zero3"}, r"sharding='zero3'\): use one of fsdp, none"),
+        ({"sharding": "zero3"}, r"sharding='zero3'\): use one of auto, fsdp, none"),
         ({"layout": "megatron"}, r"layout='megatron'\): use one of holmes, nic_unaware, flat_fsdp"),
         ({"pp": 0}, r"pp=0\): use a positive integer"),
         ({"microbatches": 2.5}, r"microbatches=2.5\): use a positive integer"),

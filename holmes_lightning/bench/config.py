@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from hydra.core.config_store import ConfigStore
 
 from holmes_lightning.config import ConfigError, ModelConfig
+from holmes_lightning.planner.planner import SHARDINGS
 from holmes_lightning.topology.spec import ClusterSpec
 
 VARIANTS = ("holmes_hybrid", "holmes_homogeneous", "fsdp", "ddp", "nic_unaware", "holmes_unequal", "uniform_unequal")
@@ -18,10 +19,9 @@ class BenchSettings:
 
     `slow_cluster` runs its NIC at `slow_nic_gbps` in the unequal-clusters topology (auto vs uniform partition).
     `pp` fixes the pipeline degree of the Holmes runs (the paper compares at fixed degrees; None: the planner picks).
-    `holmes_sharding` is HolmesStrategy's sharding inside each stage: "none" (replicas, one all-reduce) moves 2/3 of
-    FSDP's bytes on gloo, whose reduce-scatter runs as an all-reduce. `bandwidth_scale` None: chosen from this CPU
-    as `lab.scale` does, once, for every variant. `dp_overlap` is the
-    planner's fraction of DP sync hidden under backward.
+    `holmes_sharding` is HolmesStrategy's sharding inside each stage (auto: the planner's pick for gloo, where
+    replicas move 2/3 of FSDP's bytes). `bandwidth_scale` None: chosen from this CPU as `lab.scale` does, once, for
+    every variant. `dp_overlap` is the planner's fraction of DP sync hidden under backward.
     """
 
     name: str = "short"
@@ -31,7 +31,7 @@ class BenchSettings:
     measured_steps: int = 5
     schedule: str = "1F1B"
     pp: int | None = 2
-    holmes_sharding: str = "none"
+    holmes_sharding: str = "auto"
     variants: list[str] = field(default_factory=lambda: list(VARIANTS))
     bandwidth_scale: float | None = None
     slow_cluster: str = "B"
@@ -52,8 +52,8 @@ class BenchSettings:
             raise ConfigError(
                 f"bench.warmup_steps={self.warmup_steps}, bench.measured_steps={self.measured_steps}: both must be >= 1"
             )
-        if self.holmes_sharding not in ("fsdp", "none"):
-            raise ConfigError(f"bench.holmes_sharding={self.holmes_sharding!r}: use fsdp or none")
+        if self.holmes_sharding not in SHARDINGS:
+            raise ConfigError(f"bench.holmes_sharding={self.holmes_sharding!r}: use one of {', '.join(SHARDINGS)}")
         if self.pp is not None and self.pp < 1:
             raise ConfigError(f"bench.pp={self.pp!r}: must be >= 1, or null to let the planner choose")
         if self.bandwidth_scale is not None and not self.bandwidth_scale > 0:

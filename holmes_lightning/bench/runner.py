@@ -73,7 +73,6 @@ def run_variant(variant: Variant, settings: BenchSettings, scale: float, folder:
         "steps": settings.steps,
         "warmup_steps": settings.warmup_steps,
         "corpus_bytes": settings.corpus_bytes,
-        "holmes_sharding": settings.holmes_sharding,
         "trace": settings.trace,
         "timeout_s": settings.timeout_s,
         "seed": 1234,

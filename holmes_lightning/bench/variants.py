@@ -7,7 +7,6 @@ from dataclasses import dataclass, replace
 from holmes_lightning.bench.calibrate import lab_topology, with_slow_cluster
 from holmes_lightning.bench.config import BenchSettings
 from holmes_lightning.planner import BatchSettings, ModelProfile, Plan, PlanOptions, compare, plan
-from holmes_lightning.runtime.strategy import PLANNER_SHARDING
 from holmes_lightning.topology import Topology
 
 REFERENCE = "holmes_hybrid"
@@ -58,9 +57,13 @@ class Hardware:
 def plan_variants(hardware: Hardware, profile: ModelProfile, settings: BenchSettings) -> list[Variant]:
     """Every requested variant with the plan the planner makes for it on the calibrated lab hardware."""
     batch = BatchSettings(settings.global_batch)
-    sharding = PLANNER_SHARDING[settings.holmes_sharding]
     options = PlanOptions(
-        sharding=sharding, schedule=settings.schedule, pp=settings.pp, efficiency=1.0, dp_overlap=settings.dp_overlap
+        sharding=settings.holmes_sharding,
+        backend="gloo",
+        schedule=settings.schedule,
+        pp=settings.pp,
+        efficiency=1.0,
+        dp_overlap=settings.dp_overlap,
     )
     hybrid = compare(hardware.lab(hardware.hybrid), profile, batch, options)
     flat_fsdp = plan(
@@ -68,7 +71,7 @@ def plan_variants(hardware: Hardware, profile: ModelProfile, settings: BenchSett
     )
     unequal = compare(hardware.lab(hardware.unequal), profile, batch, options)
     ddp = plan(
-        hardware.lab(hardware.hybrid), profile, batch, replace(options, layout="flat_fsdp", sharding="ddp", pp=None)
+        hardware.lab(hardware.hybrid), profile, batch, replace(options, layout="flat_fsdp", sharding="none", pp=None)
     )
     runs = {
         "holmes_hybrid": ("holmes", hardware.hybrid, hybrid["holmes"]),

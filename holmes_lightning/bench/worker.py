@@ -84,7 +84,7 @@ def make_strategy(spec: dict, topology: Topology) -> Strategy:
     if spec["strategy"] == "ddp":
         return DDPStrategy(process_group_backend="gloo", timeout=timeout)
     plan = Plan.from_json(spec["plan"])
-    return HolmesStrategy(cluster=topology, plan=plan, sharding=spec["holmes_sharding"], timeout=timeout)
+    return HolmesStrategy(cluster=topology, plan=plan, timeout=timeout)
 
 
 def run(spec: dict) -> None:

@@ -64,7 +64,7 @@ class Candidate:
             stash = in_flight * self._range("stash", start, stop) * mb / self.chunks
             if cost.memory_bytes(params, layout.dp, stash) > memory_limit:
                 return None
-        return StageCost(compute, send, cost.exposed_sync_s(sync, backward * self.microbatches))
+        return StageCost(compute, send, cost.exposed_sync_s(sync, backward))
 
     def stage_plans(self, counts: tuple[int, ...]) -> list[StagePlan]:
         """Exact per-chunk seconds, transfers, syncs and memory for layers per virtual stage `counts`."""
@@ -103,7 +103,7 @@ class Candidate:
                     send_link=link.kind.value if pp > 1 else "",
                     send_gbps=link.gbps if pp > 1 else 0.0,
                     sync_s=sync,
-                    exposed_sync_s=cost.exposed_sync_s(sync, sum(backward) * self.microbatches),
+                    exposed_sync_s=cost.exposed_sync_s(sync, sum(backward)),
                     memory_gb=cost.memory_bytes(params, self.layout.dp, peak) / GB,
                 )
             )

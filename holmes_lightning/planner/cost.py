@@ -14,9 +14,10 @@ class CostModel:
 
     - Compute: FLOPs / (device peak TFLOPS x `efficiency`), or measured seconds scaled by the device's speed relative
       to the device they were measured on.
-    - DP sync per step: ring reduce-scatter + all-gather (FSDP) or all-reduce (DDP) of the stage's gradient bytes,
-      2 (n-1)/n x bytes over the group's slowest link. `dp_overlap` is the fraction of it that runs under backward;
-      it can hide at most the stage's own backward time.
+    - DP sync per step: ring reduce-scatter + all-gather (FSDP) or all-reduce (replicas) of the stage's gradient
+      bytes, 2 (n-1)/n x bytes over the group's slowest link. On `backend="gloo"` a reduce-scatter runs as a whole
+      all-reduce, so FSDP moves 3 (n-1)/n x bytes there. The sync starts with the last micro-batch's backward
+      (earlier ones accumulate locally); `dp_overlap` is the fraction of it that can run under that backward.
     - Memory per device: parameters x `state_multiplier` (weights + grads + optimizer states per parameter byte;
       4 for fp32 Adam), of which FSDP shards all but the unsharded weights over the DP group, plus the activation
       stash of the micro-batches in flight.
@@ -29,6 +30,7 @@ class CostModel:
     sharding: str = "fsdp"
     state_multiplier: float = 4.0
     rdma: bool = True
+    backend: str = "nccl"
 
     def layer_seconds(self, device_tflops: float) -> tuple[list[float], list[float]]:
         """Forward and backward seconds per sample of every layer on a device of this peak speed."""
@@ -45,10 +47,11 @@ class CostModel:
 
     def dp_sync_s(self, group_size: int, link: Link, param_bytes: float) -> float:
         """Ring sync of `param_bytes` over a group of this size whose slowest link is `link`."""
-        return 2 * (group_size - 1) / group_size * param_bytes / link.bytes_per_s
+        passes = 3 if self.sharding == "fsdp" and self.backend == "gloo" else 2
+        return passes * (group_size - 1) / group_size * param_bytes / link.bytes_per_s
 
     def exposed_sync_s(self, sync_s: float, backward_s: float) -> float:
-        """The part of the DP sync backward does not hide (`backward_s`: the stage's backward seconds per step)."""
+        """The part of the DP sync backward does not hide (`backward_s`: the last micro-batch's backward seconds)."""
         return max(sync_s * (1 - self.dp_overlap), sync_s - backward_s)
 
     def memory_bytes(self, param_bytes: float, dp: int, stash_bytes: float) -> float:

@@ -15,7 +15,8 @@ from holmes_lightning.planner.schedules import SCHEDULES, microbatch_problem
 from holmes_lightning.topology import Topology
 
 LAYOUTS = ("holmes", "nic_unaware", "flat_fsdp")
-SHARDINGS = ("fsdp", "ddp")
+SHARDINGS = ("auto", "fsdp", "none")
+BACKENDS = ("nccl", "gloo")
 
 
 class PlanError(ValueError):
@@ -36,7 +37,10 @@ class PlanOptions:
 
     partition: "auto" (minimise the predicted step), "uniform", or layers per stage (per virtual stage also
     accepted for Interleaved1F1B). pp / dp: None = choose. layout: "holmes", "nic_unaware" (Megatron-LM rank order)
-    or "flat_fsdp". chunks_per_stage: model chunks per stage for Interleaved1F1B. efficiency: fraction of peak
+    or "flat_fsdp". sharding inside each stage: "fsdp", "none" (full replicas, gradients all-reduced) or "auto"
+    (the faster of the two, FSDP on a tie since it needs less memory). backend: the collective library ("nccl" or
+    "gloo"; gloo's reduce-scatter costs a whole all-reduce). chunks_per_stage: model chunks per stage for
+    Interleaved1F1B. efficiency: fraction of peak
     TFLOPS layers reach. dp_overlap: fraction of DP sync hidden under backward. state_multiplier: bytes of weights,
     grads and optimizer state per parameter byte. memory_limit_gb: per device, None = unchecked.
     """
@@ -46,7 +50,8 @@ class PlanOptions:
     pp: int | None = None
     dp: int | None = None
     layout: str = "holmes"
-    sharding: str = "fsdp"
+    sharding: str = "auto"
+    backend: str = "nccl"
     chunks_per_stage: int = 2
     efficiency: float = 0.5
     dp_overlap: float = 0.5
@@ -62,17 +67,26 @@ def plan(topology: Topology, profile: ModelProfile, batch: BatchSettings, option
     """The plan with the lowest predicted step time among those the options allow."""
     options = options or PlanOptions()
     _check_request(profile, batch, options)
-    cost = CostModel(
-        topology, profile, options.efficiency, options.dp_overlap, options.sharding, options.state_multiplier
-    )
     best: Plan | None = None
     problems: list[str] = []
-    for layout in _layouts(topology, options):
-        layout_cost = replace(cost, rdma=layout.rdma)
-        for microbatches in _microbatch_counts(layout, profile, batch, options, problems):
-            candidate = _plan_layout(layout, layout_cost, batch, microbatches, options, problems)
-            if candidate and (best is None or candidate.prediction.total_s < best.prediction.total_s * (1 - 1e-9)):
-                best = candidate
+    shardings = ("fsdp", "none") if options.sharding == "auto" else (options.sharding,)
+    for sharding in shardings:  # FSDP first: replicas win only when strictly faster
+        chosen = replace(options, sharding=sharding)
+        cost = CostModel(
+            topology,
+            profile,
+            options.efficiency,
+            options.dp_overlap,
+            sharding,
+            options.state_multiplier,
+            backend=options.backend,
+        )
+        for layout in _layouts(topology, options):
+            layout_cost = replace(cost, rdma=layout.rdma)
+            for microbatches in _microbatch_counts(layout, profile, batch, options, problems):
+                candidate = _plan_layout(layout, layout_cost, batch, microbatches, chosen, problems)
+                if candidate and (best is None or candidate.prediction.total_s < best.prediction.total_s * (1 - 1e-9)):
+                    best = candidate
     if best is None:
         reasons = "\n  ".join(dict.fromkeys(problems)) or "no layout fits"
         raise PlanError(f"no feasible plan for {topology.name!r} and {profile.name!r}:\n  {reasons}")
@@ -96,7 +110,11 @@ def compare(
     requests = {
         "uniform": (topology, fixed_batch, replace(same_shape, partition="uniform")),
         "nic_unaware": (topology, fixed_batch, replace(same_shape, layout="nic_unaware", partition="uniform")),
-        "flat_fsdp": (topology, batch, replace(options, layout="flat_fsdp", partition="auto", pp=None, dp=None)),
+        "flat_fsdp": (
+            topology,
+            batch,
+            replace(options, layout="flat_fsdp", sharding="fsdp", partition="auto", pp=None, dp=None),
+        ),
         "homogeneous": (topology.homogeneous(), batch, options),
     }
     plans, skipped = {}, []
@@ -113,7 +131,8 @@ def _check_request(profile: ModelProfile, batch: BatchSettings, options: PlanOpt
     checks = [
         (options.schedule in SCHEDULES, "strategy.schedule", options.schedule, f"use one of {', '.join(SCHEDULES)}"),
         (options.layout in LAYOUTS, "layout", options.layout, f"use one of {', '.join(LAYOUTS)}"),
-        (options.sharding in SHARDINGS, "strategy.sharding", options.sharding, "use fsdp or ddp"),
+        (options.sharding in SHARDINGS, "strategy.sharding", options.sharding, f"use one of {', '.join(SHARDINGS)}"),
+        (options.backend in BACKENDS, "plan.backend", options.backend, f"use one of {', '.join(BACKENDS)}"),
         (batch.global_batch > 0, "data.global_batch", batch.global_batch, "use a positive number of samples"),
         (batch.microbatches is None or batch.microbatches > 0, "strategy.microbatches", batch.microbatches, "use > 0"),
         (options.pp is None or options.pp > 0, "strategy.pp", options.pp, "use a positive stage count or null"),
@@ -231,7 +250,7 @@ def _plan_layout(
     candidate = Candidate(layout, cost, options.schedule, options.chunks, microbatches, microbatch_size)
     limit = options.memory_limit_gb * GB if options.memory_limit_gb else None
     fix = "use more stages (strategy.pp) or micro-batches (strategy.microbatches), or a larger limit"
-    fix += ", or sharding=fsdp" if options.sharding != "fsdp" else ""
+    fix += ", or strategy.sharding=fsdp" if options.sharding != "fsdp" else ""
     counts = _partition_counts(options, candidate, limit)
     if counts is None:
         problems.append(

@@ -97,6 +97,10 @@ class PlanMesh:
     def pp_group(self) -> dist.ProcessGroup:
         return self.mesh["pp"].get_group()
 
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.mesh["dp"].get_group()
+
 
 def build_mesh(
     plan: Plan,

@@ -12,6 +12,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from holmes_lightning.planner import Plan
+from holmes_lightning.runtime.sharding import average_gradients
 
 CONTRACT = ("pipeline_layers", "pipeline_loss")
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -67,7 +68,11 @@ def keep_owned_layers(module: nn.Module, layers: Sequence[nn.Module], owned: set
 
 
 class Pipeline:
-    """This rank's chunks as PipelineStages and the plan's schedule; one schedule per micro-batch shape for eval."""
+    """This rank's chunks as PipelineStages and the plan's schedule; one schedule per micro-batch shape for eval.
+
+    Chunks of a plan with sharding "fsdp" come FSDP2-sharded; otherwise they are full replicas, whose gradients
+    `train_step` averages over `dp_group` once the schedule is done.
+    """
 
     def __init__(
         self,
@@ -77,6 +82,7 @@ class Pipeline:
         pp_group: dist.ProcessGroup,
         device: torch.device,
         loss_fn: LossFn,
+        dp_group: dist.ProcessGroup,
     ) -> None:
         self.plan = plan
         self.stage = stage
@@ -84,6 +90,7 @@ class Pipeline:
         self.pp_group = pp_group
         self.device = device
         self.loss_fn = loss_fn
+        self.dp_group = dp_group
         self.schedule_class = get_schedule_class(plan.schedule)
         self.train_schedule = self._schedule(plan.microbatches)
         self._eval_schedules: dict[tuple[int, ...], object] = {}
@@ -114,7 +121,10 @@ class Pipeline:
                 f"{self.plan.microbatches} micro-batches x {self.plan.microbatch_size} = {self.replica_batch}; give "
                 f"the train DataLoader batch_size=strategy.replica_batch_size (global batch / dp) and drop_last=True"
             )
-        return self._run(self.train_schedule.step, inputs, targets)
+        local = self._run(self.train_schedule.step, inputs, targets)
+        if self.plan.sharding != "fsdp" and self.plan.dp > 1:
+            average_gradients((p for chunk in self.chunks for p in chunk.parameters()), self.dp_group)
+        return shared_loss(local, self.plan.dp, self.device)
 
     def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward only, in the plan's micro-batches (any batch size they divide). Returns the loss."""
@@ -131,18 +141,18 @@ class Pipeline:
             shape = tuple(inputs.shape)
             if shape not in self._eval_schedules:  # stage buffers are sized by the first micro-batch they see
                 self._eval_schedules[shape] = self._schedule(microbatches)
-            loss = self._run(self._eval_schedules[shape].eval, inputs, targets)
+            loss = shared_loss(self._run(self._eval_schedules[shape].eval, inputs, targets), self.plan.dp, self.device)
         for module in (m for chunk in self.chunks for m in chunk.modules() if isinstance(m, FSDPModule)):
             module.reshard()  # no backward follows to free the gathered weights
         return loss
 
-    def _run(self, step: Callable, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _run(self, step: Callable, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """One schedule call; the mean loss of this rank's micro-batches (None off the last stage)."""
         losses: list[torch.Tensor] = []
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         first = (inputs,) if self.stage == 0 else ()  # this rank holds virtual stage 0 / the last virtual stage
         step(*first, target=targets if self.is_last else None, losses=losses)
-        local = torch.stack([loss.detach().float() for loss in losses]).mean() if losses else None
-        return shared_loss(local, self.plan.dp, self.device)
+        return torch.stack([loss.detach().float() for loss in losses]).mean() if losses else None
 
     def _run_locally(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         losses = []

@@ -1,8 +1,9 @@
-"""FSDP2 over a stage's DP sub-mesh (or replicate-only sync), and gradient clipping by the norm over all stages."""
+"""FSDP2 over a stage's DP sub-mesh, replicas' gradient averaging, and gradient clipping over all stages."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -12,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-SHARDINGS = ("fsdp", "none")
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket: few collectives, bounded extra memory
 
 
 def shard(
@@ -33,6 +34,39 @@ def shard(
     else:
         for module in (*layers, root):
             replicate(module, mesh=mesh, mp_policy=mp_policy)
+
+
+def average_gradients(parameters: Iterable[nn.Parameter], group: dist.ProcessGroup) -> None:
+    """Average full-replica gradients over `group`, a few flat all-reduces of up to `BUCKET_BYTES` each.
+
+    Pipelined replicas sync once after the schedule: per-layer hooks would fire for every micro-batch on the
+    critical path, and only the last micro-batch's backward could hide the sync anyway.
+    """
+    buckets = list(_buckets([p.grad for p in parameters if p.grad is not None]))
+    flats = [torch._utils._flatten_dense_tensors(bucket) for bucket in buckets]
+    works = [dist.all_reduce(flat, group=group, async_op=True) for flat in flats]
+    for bucket, flat, work in zip(buckets, flats, works, strict=True):
+        work.wait()
+        flat.div_(group.size())
+        for grad, synced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket), strict=True):
+            grad.copy_(synced)
+
+
+def _buckets(grads: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    """Consecutive gradients of one dtype and device, up to `BUCKET_BYTES` per bucket."""
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
+    for grad in grads:
+        by_kind[(grad.dtype, grad.device)].append(grad)
+    for kind in by_kind.values():
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for grad in kind:
+            if bucket and size + grad.numel() * grad.element_size() > BUCKET_BYTES:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append(grad)
+            size += grad.numel() * grad.element_size()
+        yield bucket
 
 
 def clip_grad_norm_(

@@ -34,16 +34,14 @@ from torch.optim import Optimizer
 from holmes_lightning import planner
 from holmes_lightning.planner import SCHEDULES, BatchSettings, LayerProfile, ModelProfile, Plan, PlanOptions
 from holmes_lightning.planner.measure import cpu_rank_gflops
-from holmes_lightning.planner.planner import LAYOUTS
+from holmes_lightning.planner.planner import LAYOUTS, SHARDINGS
 from holmes_lightning.planner.report import format_plan
 from holmes_lightning.runtime import checkpoint, resume
 from holmes_lightning.runtime.environment import NICGroupingEnvironment
 from holmes_lightning.runtime.groups import PlanMesh, build_mesh
 from holmes_lightning.runtime.pipeline import Pipeline, check_contract, keep_owned_layers, missing_contract, split_batch
-from holmes_lightning.runtime.sharding import SHARDINGS, clip_grad_norm_, shard
+from holmes_lightning.runtime.sharding import clip_grad_norm_, shard
 from holmes_lightning.topology import ClusterSpec, Topology
-
-PLANNER_SHARDING = {"fsdp": "fsdp", "none": "ddp"}
 
 
 class HolmesStrategy(ModelParallelStrategy):
@@ -54,7 +52,9 @@ class HolmesStrategy(ModelParallelStrategy):
             NIC kinds detected.
         schedule, microbatches, partition, pp, dp, layout: what to plan (see `holmes_lightning.planner.PlanOptions`);
             None lets the planner choose. layout="nic_unaware" is Megatron's rank order with IB and RoCE on TCP.
-        sharding: "fsdp" (FSDP2 inside each stage) or "none" (full replicas, gradients all-reduced).
+        sharding: "fsdp" (FSDP2 inside each stage), "none" (full replicas, gradients all-reduced) or "auto" (the
+            planner's pick for this backend: FSDP unless replicas are faster, as on gloo, whose reduce-scatter costs
+            a whole all-reduce). A given plan= brings its own.
         global_batch: samples per optimizer step over all DP replicas; the train DataLoader then gives
             `replica_batch_size` samples per step.
         plan: a Plan (or its JSON file) to run instead of planning.
@@ -72,7 +72,7 @@ class HolmesStrategy(ModelParallelStrategy):
         partition: str | Sequence[int] = "auto",
         pp: int | None = None,
         dp: int | None = None,
-        sharding: str = "fsdp",
+        sharding: str = "auto",
         global_batch: int | None = None,
         layout: str = "holmes",
         plan: Plan | str | Path | None = None,
@@ -84,9 +84,8 @@ class HolmesStrategy(ModelParallelStrategy):
         seconds = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
         super().__init__(process_group_backend=process_group_backend, timeout=seconds)
         self.cluster = cluster
-        self.sharding = sharding
         self.options = PlanOptions(
-            schedule=schedule, partition=partition, pp=pp, dp=dp, layout=layout, sharding=PLANNER_SHARDING[sharding]
+            schedule=schedule, partition=partition, pp=pp, dp=dp, layout=layout, sharding=sharding
         )
         self.batch = None if global_batch is None else BatchSettings(global_batch, microbatches)
         self.profile = profile
@@ -210,7 +209,7 @@ class HolmesStrategy(ModelParallelStrategy):
         assert self.topology is not None and self.lightning_module is not None
         if missing_contract(self.lightning_module):  # pp=1: one FSDP group over every rank
             batch = self.batch or BatchSettings(self.topology.world_size)
-            options = replace(self.options, layout="flat_fsdp", pp=None, dp=None, partition="auto")
+            options = replace(self._options_for_this_machine(), layout="flat_fsdp", pp=None, dp=None, partition="auto")
             found = planner.plan(self.topology, profile, replace(batch, microbatches=None), options)
             return replace(found, notes=(*found.notes, "no pipeline contract (pipeline_layers): FSDP over all ranks"))
         if self.batch is None:
@@ -221,13 +220,14 @@ class HolmesStrategy(ModelParallelStrategy):
         return planner.plan(self.topology, profile, self.batch, self._options_for_this_machine())
 
     def _options_for_this_machine(self) -> PlanOptions:
-        """On CPU the cluster's TFLOPS describe GPUs that are not here: cost compute at this CPU's matmul speed."""
+        """The collective library in use; on CPU, compute at this CPU's matmul speed (the TFLOPS describe GPUs)."""
         assert self.topology is not None
+        options = replace(self.options, backend=self._get_process_group_backend())
         if self.root_device.type != "cpu":
-            return self.options
+            return options
         peak_gflops = 1000 * max(node.device_tflops for node in self.topology.nodes)
         efficiency = min(1.0, cpu_rank_gflops(self.topology.world_size) / peak_gflops)
-        return replace(self.options, efficiency=efficiency)
+        return replace(options, efficiency=efficiency)
 
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.lightning_module is not None
@@ -257,7 +257,7 @@ class HolmesStrategy(ModelParallelStrategy):
             )
         stage = active_plan.stages[mesh.stage]
         if active_plan.pp == 1 and len(stage.chunks) == 1:  # no pipeline: FSDP2 only, the module's own steps
-            shard(layers, module, mesh.dp_mesh, self.sharding, policy, reshard_after_forward=True)
+            shard(layers, module, mesh.dp_mesh, active_plan.sharding, policy, reshard_after_forward=True)
         else:  # pp > 1, or several chunks: virtual stages, possibly all on this rank (pp=1, Interleaved1F1B)
             check_contract(module, active_plan.pp)
             if self.precision_plugin.precision == "16-mixed":
@@ -265,10 +265,11 @@ class HolmesStrategy(ModelParallelStrategy):
             keep_owned_layers(module, layers, set(stage.layers))
             module.example_input_array = None  # the whole forward no longer runs here (model summary would call it)
             chunks = [nn.Sequential(*layers[start:stop]) for start, stop in stage.chunks]
-            for chunk in chunks:  # resharding after forward gives zero-bubble schedules wrong gradients
-                shard(list(chunk), chunk, mesh.dp_mesh, self.sharding, policy, reshard_after_forward=False)
+            if active_plan.sharding == "fsdp":  # replicas stay plain modules: the pipeline all-reduces their grads
+                for chunk in chunks:  # resharding after forward gives zero-bubble schedules wrong gradients
+                    shard(list(chunk), chunk, mesh.dp_mesh, "fsdp", policy, reshard_after_forward=False)
             self.pipeline = Pipeline(
-                active_plan, mesh.stage, chunks, mesh.pp_group, self.root_device, module.pipeline_loss
+                active_plan, mesh.stage, chunks, mesh.pp_group, self.root_device, module.pipeline_loss, mesh.dp_group
             )
         _materialize_distributed_module(module, self.root_device)
         self.model_to_device()
