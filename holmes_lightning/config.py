@@ -170,6 +170,8 @@ class PlanConfig:
     chunks_per_stage: int = 2
     bytes_per_value: int = 2
     backend: str = "nccl"
+    layer_overhead_s: float = 0.0
+    optimizer_s_per_gb: float = 0.0
 
     def __post_init__(self) -> None:
         _require(self.bytes_per_value in (2, 4), "plan.bytes_per_value", self.bytes_per_value, "use 2 (bf16) or 4")

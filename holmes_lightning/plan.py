@@ -36,6 +36,8 @@ def run(config: PlanJobConfig) -> dict:
         backend=knobs.backend,
         chunks_per_stage=knobs.chunks_per_stage,
         efficiency=knobs.efficiency,
+        layer_overhead_s=knobs.layer_overhead_s,
+        optimizer_s_per_gb=knobs.optimizer_s_per_gb,
         dp_overlap=knobs.dp_overlap,
         state_multiplier=knobs.state_multiplier,
         memory_limit_gb=knobs.memory_limit_gb,

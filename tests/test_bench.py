@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from holmes_lightning.bench.calibrate import profile_gpt
+from holmes_lightning.bench.calibrate import Calibration, profile_gpt
 from holmes_lightning.bench.config import VARIANTS, BenchSettings
 from holmes_lightning.bench.report import draw, markdown, regime, targets, write_json
-from holmes_lightning.bench.runner import Calibration, summarize
+from holmes_lightning.bench.runner import summarize
 from holmes_lightning.bench.variants import Hardware, plan_variants
 from holmes_lightning.config import ConfigError, ModelConfig
 from holmes_lightning.topology import Topology
@@ -16,12 +16,15 @@ from holmes_lightning.topology import Topology
 def test_every_variant_is_planned_and_reported(tmp_path):
     settings = BenchSettings(model=ModelConfig(n_layers=4, d_model=64, n_heads=4, seq_len=16), global_batch=8)
     profile = profile_gpt(settings.model)
-    hardware = Hardware.derive(Topology.from_config("two_cluster_mixed"), settings, 5e-3, 1e-4)
+    calibration = Calibration(10.0, 4e-3, 5e-3, 0.5, 5e-3, 1e-3, 5.0, 1e-4, "test")
+    hardware = Hardware.derive(Topology.from_config("two_cluster_mixed"), settings, calibration)
     variants = plan_variants(hardware, profile, settings)
     assert [v.name for v in variants] == list(VARIANTS)
     plans = {v.name: v.plan for v in variants}
     assert {p.global_batch for p in plans.values()} == {8}
     assert (plans["holmes_hybrid"].pp, plans["fsdp"].pp, plans["ddp"].sharding) == (2, 1, "none")
+    assert plans["holmes_hybrid"].sharding == "none"  # auto on gloo: replicas move 2/3 of FSDP's bytes
+    assert plans["fsdp"].prediction.optimizer_s == pytest.approx(5.0 * profile.param_bytes / 4 / 1e9)
     assert plans["nic_unaware"].layout == "nic_unaware" and hardware.unequal.nodes[2].nic_gbps == 50
     slow = [s for s in plans["holmes_unequal"].stages if s.cluster == "B"][0]  # fewer layers than a uniform split
     assert len(slow.layers) < profile.num_layers / 2
@@ -31,7 +34,6 @@ def test_every_variant_is_planned_and_reported(tmp_path):
     results = [summarize(v, per_rank[v.name], settings, profile) for v in variants]
     check = regime(variants, profile, settings.global_batch)
     assert check["gradient_to_boundary"] > 5
-    calibration = Calibration(2, 0.1, 1.0, 0.5, 5e-3, 1e-4, "test")
     context = {"calibration": vars(calibration), "variants": variants, "bench": "test", "model": "m"}
     context.update(global_batch=8, steps="1 + 1")
     table = markdown(results, context, check)
@@ -48,3 +50,15 @@ def test_every_variant_is_planned_and_reported(tmp_path):
 def test_bad_settings_name_the_field():
     with pytest.raises(ConfigError, match="bench.variants"):
         BenchSettings(variants=["holmes", "fsdp"])
+
+
+def test_calibration_splits_a_pass_into_per_sample_and_fixed_costs():
+    model = ModelConfig(n_layers=2, d_model=32, n_heads=2, seq_len=8)
+    profile = profile_gpt(model)
+    topology = Topology.from_config("two_cluster_mixed")
+    calibration = Calibration.measure(topology, profile, model, repeats=2, scale=1e-3)
+    assert calibration.gflops > 0 and calibration.pass_overhead_s >= 0 and calibration.optimizer_s > 0
+    assert calibration.device_tflops == pytest.approx(calibration.gflops * calibration.share / 1e3)
+    per_layer = calibration.pass_overhead_s / profile.num_layers / calibration.share
+    assert calibration.layer_overhead_s == pytest.approx(per_layer)
+    assert (calibration.bandwidth_scale, calibration.scale_reason) == (1e-3, "bench.bandwidth_scale")

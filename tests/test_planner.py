@@ -287,3 +287,19 @@ def test_dp_sync_hides_only_under_the_last_micro_batch_backward():
     result = plan(topology, GPT_SMALL, BatchSettings(global_batch=16), PlanOptions(pp=2, dp_overlap=1.0))
     for stage in result.stages:
         assert stage.exposed_sync_s == pytest.approx(max(stage.sync_s - sum(stage.backward_s), 0.0))
+
+
+def test_per_layer_overhead_makes_micro_batches_cost_something_and_the_optimizer_step_ends_the_step():
+    topology = Topology.from_config("two_cluster_mixed")
+    batch = BatchSettings(global_batch=32)
+    free = plan(topology, GPT_SMALL, batch, PlanOptions(pp=2, sharding="none"))
+    costly = plan(topology, GPT_SMALL, batch, PlanOptions(pp=2, sharding="none", layer_overhead_s=0.05))
+    assert costly.microbatches < free.microbatches
+    per_gb = 2.0
+    timed = plan(topology, GPT_SMALL, batch, PlanOptions(pp=2, sharding="fsdp", optimizer_s_per_gb=per_gb))
+    for stage in timed.stages:
+        held = sum(GPT_SMALL.layers[i].param_bytes for i in stage.layers) / timed.dp
+        assert stage.update_s == pytest.approx(per_gb * held / 1e9)
+    p = timed.prediction
+    assert p.optimizer_s > 0
+    assert p.compute_s + p.dp_sync_s + p.p2p_s + p.optimizer_s + p.bubble_s == pytest.approx(p.total_s)

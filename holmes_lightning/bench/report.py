@@ -87,8 +87,10 @@ def markdown(results: list[RunResult], context: dict, check: dict) -> str:
         f"# holmes-lightning benchmark: {context['bench']}",
         "",
         f"Model {context['model']}, global batch {context['global_batch']} sequences, {context['steps']}; "
-        f"lab bandwidth scale {cal['bandwidth_scale']:.3g} ({cal['scale_reason']}); cost model device speed "
-        f"{cal['device_tflops'] * 1e3:.2f} GFLOP/s per rank (one process: {cal['gflops']:.2f} GFLOP/s x "
+        f"lab bandwidth scale {cal['bandwidth_scale']:.3g} ({cal['scale_reason']}); cost model per rank: "
+        f"{cal['device_tflops'] * 1e3:.2f} GFLOP/s per sample + {cal['layer_overhead_s'] * 1e3:.2f} ms per layer "
+        f"and micro-batch, optimizer {cal['optimizer_s_per_gb']:.3g} s/GB (one process: {cal['gflops']:.2f} "
+        f"GFLOP/s + {cal['pass_overhead_s'] * 1e3:.1f} ms per pass, AdamW {cal['optimizer_s'] * 1e3:.1f} ms; x "
         f"{cal['share']:g} core share).",
         "",
         format_regime(check),

@@ -9,26 +9,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from holmes_lightning.bench.calibrate import profile_gpt, rank_share, step_seconds
+from holmes_lightning.bench.calibrate import Calibration, profile_gpt
 from holmes_lightning.bench.config import BenchSettings
 from holmes_lightning.bench.variants import Hardware, Variant, plan_variants
 from holmes_lightning.lab import run_in_lab
-from holmes_lightning.lab.scale import default_bandwidth_scale
 from holmes_lightning.planner import ModelProfile
 from holmes_lightning.topology import Topology
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """How the cost model's device speed was measured: one process, one thread, the samples a rank computes."""
-
-    samples: int
-    step_s: float
-    gflops: float
-    share: float
-    device_tflops: float
-    bandwidth_scale: float
-    scale_reason: str
 
 
 @dataclass(frozen=True)
@@ -46,18 +32,6 @@ class RunResult:
     tflops_per_device: float
     predicted_s: float
     predicted: dict
-
-
-def calibrate(hybrid: Topology, profile: ModelProfile, settings: BenchSettings) -> Calibration:
-    samples = max(1, settings.global_batch // hybrid.world_size)
-    step_s = step_seconds(settings.model, samples, settings.calibration_repeats)
-    gflops = profile.flops_per_sample * samples / step_s / 1e9
-    share = rank_share(hybrid.world_size)
-    if settings.bandwidth_scale is not None:
-        scale, reason = settings.bandwidth_scale, "bench.bandwidth_scale"
-    else:
-        scale, reason = default_bandwidth_scale(hybrid)
-    return Calibration(samples, step_s, gflops, share, gflops * share / 1e3, scale, reason)
 
 
 def run_variant(variant: Variant, settings: BenchSettings, scale: float, folder: Path) -> list[list[float]]:
@@ -115,15 +89,11 @@ def summarize(
 def run_bench(hybrid: Topology, settings: BenchSettings, out_dir: Path) -> tuple[list[RunResult], dict]:
     """Calibrate, plan every variant, run each in the lab; returns the results and the run's context for the report."""
     profile = profile_gpt(settings.model)
-    calibration = calibrate(hybrid, profile, settings)
-    print(
-        f"bench: calibrated one rank at {calibration.gflops:.2f} GFLOP/s ({calibration.samples} samples/step in "
-        f"{calibration.step_s:.3f} s) x {calibration.share:g} core share -> device_tflops="
-        f"{calibration.device_tflops:.3g}; bandwidth_scale={calibration.bandwidth_scale:.3g} "
-        f"({calibration.scale_reason})",
-        flush=True,
+    calibration = Calibration.measure(
+        hybrid, profile, settings.model, settings.calibration_repeats, settings.bandwidth_scale
     )
-    hardware = Hardware.derive(hybrid, settings, calibration.device_tflops, calibration.bandwidth_scale)
+    print(f"bench: calibrated {calibration.describe()}", flush=True)
+    hardware = Hardware.derive(hybrid, settings, calibration)
     variants = plan_variants(hardware, profile, settings)
     results = []
     for index, variant in enumerate(variants, 1):

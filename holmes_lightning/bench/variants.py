@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from holmes_lightning.bench.calibrate import lab_topology, with_slow_cluster
+from holmes_lightning.bench.calibrate import Calibration, lab_topology, with_slow_cluster
 from holmes_lightning.bench.config import BenchSettings
 from holmes_lightning.planner import BatchSettings, ModelProfile, Plan, PlanOptions, compare, plan
 from holmes_lightning.topology import Topology
@@ -37,21 +37,20 @@ class Variant:
 
 @dataclass(frozen=True)
 class Hardware:
-    """The three emulated networks and the cost model's view of each (calibrated device speed, scaled links)."""
+    """The three emulated networks and the cost model's view of each (calibrated rank costs, scaled links)."""
 
     hybrid: Topology
     homogeneous: Topology
     unequal: Topology
-    device_tflops: float
-    bandwidth_scale: float
+    calibration: Calibration
 
     @classmethod
-    def derive(cls, hybrid: Topology, settings: BenchSettings, device_tflops: float, scale: float) -> Hardware:
+    def derive(cls, hybrid: Topology, settings: BenchSettings, calibration: Calibration) -> Hardware:
         unequal = with_slow_cluster(hybrid, settings.slow_cluster, settings.slow_nic_gbps)
-        return cls(hybrid, hybrid.homogeneous(), unequal, device_tflops, scale)
+        return cls(hybrid, hybrid.homogeneous(), unequal, calibration)
 
     def lab(self, topology: Topology) -> Topology:
-        return lab_topology(topology, self.bandwidth_scale, self.device_tflops)
+        return lab_topology(topology, self.calibration.bandwidth_scale, self.calibration.device_tflops)
 
 
 def plan_variants(hardware: Hardware, profile: ModelProfile, settings: BenchSettings) -> list[Variant]:
@@ -63,6 +62,8 @@ def plan_variants(hardware: Hardware, profile: ModelProfile, settings: BenchSett
         schedule=settings.schedule,
         pp=settings.pp,
         efficiency=1.0,
+        layer_overhead_s=hardware.calibration.layer_overhead_s,
+        optimizer_s_per_gb=hardware.calibration.optimizer_s_per_gb,
         dp_overlap=settings.dp_overlap,
     )
     hybrid = compare(hardware.lab(hardware.hybrid), profile, batch, options)

@@ -28,7 +28,7 @@ class Candidate:
     def __post_init__(self) -> None:
         topology, layers = self.cost.topology, self.cost.profile.layers
         self.speeds = [min(topology.device_tflops(r) for r in stage.ranks) for stage in self.layout.stages]
-        seconds = {speed: self.cost.layer_seconds(speed) for speed in set(self.speeds)}
+        seconds = {speed: self.cost.microbatch_seconds(speed, self.microbatch_size) for speed in set(self.speeds)}
         self.seconds = [seconds[speed] for speed in self.speeds]
         stages = self.layout.stages
         self.dp_links = [self.cost.dp_link(stage.ranks) for stage in stages]
@@ -52,8 +52,8 @@ class Candidate:
     def stage_cost(self, stage: int, start: int, stop: int, memory_limit: float | None) -> StageCost | None:
         """Stage `stage` holding layers [start, stop) as one contiguous load (None: above the memory limit)."""
         mb, layout, cost = self.microbatch_size, self.layout, self.cost
-        backward = self._range("backward", start, stop, stage) * mb
-        compute = self._range("forward", start, stop, stage) * mb + backward
+        backward = self._range("backward", start, stop, stage)
+        compute = self._range("forward", start, stop, stage) + backward
         send = 0.0
         if stage < layout.pp - 1:
             send = cost.profile.layers[stop - 1].activation_bytes * mb / self.send_links[stage].bytes_per_s
@@ -64,7 +64,7 @@ class Candidate:
             stash = in_flight * self._range("stash", start, stop) * mb / self.chunks
             if cost.memory_bytes(params, layout.dp, stash) > memory_limit:
                 return None
-        return StageCost(compute, send, cost.exposed_sync_s(sync, backward))
+        return StageCost(compute, send, cost.exposed_sync_s(sync, backward) + cost.update_s(params, layout.dp))
 
     def stage_plans(self, counts: tuple[int, ...]) -> list[StagePlan]:
         """Exact per-chunk seconds, transfers, syncs and memory for layers per virtual stage `counts`."""
@@ -79,7 +79,7 @@ class Candidate:
             ranges = tuple((bounds[s + j * pp], bounds[s + j * pp + 1]) for j in range(self.chunks))
             fwd, bwd = self.seconds[s]
             link, dp_link = self.send_links[s], self.dp_links[s]
-            backward = tuple(sum(bwd[a:b]) * mb for a, b in ranges)
+            backward = tuple(sum(bwd[a:b]) for a, b in ranges)
             sends = tuple(
                 0.0 if s + j * pp == last_virtual else layers[b - 1].activation_bytes * mb / link.bytes_per_s
                 for j, (_, b) in enumerate(ranges)
@@ -97,13 +97,14 @@ class Candidate:
                     dp_link=dp_link.kind.value,
                     dp_gbps=dp_link.gbps if self.layout.dp > 1 else 0.0,
                     device_tflops=self.speeds[s],
-                    forward_s=tuple(sum(fwd[a:b]) * mb for a, b in ranges),
+                    forward_s=tuple(sum(fwd[a:b]) for a, b in ranges),
                     backward_s=backward,
                     send_s=sends,
                     send_link=link.kind.value if pp > 1 else "",
                     send_gbps=link.gbps if pp > 1 else 0.0,
                     sync_s=sync,
                     exposed_sync_s=cost.exposed_sync_s(sync, sum(backward)),
+                    update_s=cost.update_s(params, self.layout.dp),
                     memory_gb=cost.memory_bytes(params, self.layout.dp, peak) / GB,
                 )
             )
@@ -117,8 +118,8 @@ class Candidate:
         total = timeline.total_s
         last = max(range(len(stages)), key=lambda s: timeline.stage_end_s[s])
         compute = m * (sum(stages[last].forward_s) + sum(stages[last].backward_s))
-        sync = stages[last].exposed_sync_s
-        p2p = max(min(total - no_transfers.total_s, total - compute - sync), 0.0)
+        sync, update = stages[last].exposed_sync_s, stages[last].update_s
+        p2p = max(min(total - no_transfers.total_s, total - compute - sync - update), 0.0)
         samples = m * self.microbatch_size * self.layout.dp
         world = self.layout.pp * self.layout.dp
         per_s = 1 / total if total > 0 else 0.0  # a profile without costs predicts nothing
@@ -127,7 +128,8 @@ class Candidate:
             compute_s=compute,
             dp_sync_s=sync,
             p2p_s=p2p,
-            bubble_s=max(total - compute - sync - p2p, 0.0),
+            optimizer_s=update,
+            bubble_s=max(total - compute - sync - p2p - update, 0.0),
             tokens_per_s=samples * profile.tokens_per_sample * per_s,
             tflops_per_device=profile.flops_per_sample * samples * per_s / world / 1e12,
             memory_gb=max(s.memory_gb for s in stages),

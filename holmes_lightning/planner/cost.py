@@ -13,7 +13,9 @@ class CostModel:
     """Seconds and bytes of one plan's pieces.
 
     - Compute: FLOPs / (device peak TFLOPS x `efficiency`), or measured seconds scaled by the device's speed relative
-      to the device they were measured on.
+      to the device they were measured on, per sample; plus `layer_overhead_s` per layer and micro-batch whatever
+      its size (kernel launches, framework hooks), split 1:2 between forward and backward like the FLOPs.
+    - Optimizer step: `optimizer_s_per_gb` x the GB of parameters a rank holds, after its DP sync.
     - DP sync per step: ring reduce-scatter + all-gather (FSDP) or all-reduce (replicas) of the stage's gradient
       bytes, 2 (n-1)/n x bytes over the group's slowest link. On `backend="gloo"` a reduce-scatter runs as a whole
       all-reduce, so FSDP moves 3 (n-1)/n x bytes there. The sync starts with the last micro-batch's backward
@@ -31,6 +33,8 @@ class CostModel:
     state_multiplier: float = 4.0
     rdma: bool = True
     backend: str = "nccl"
+    layer_overhead_s: float = 0.0
+    optimizer_s_per_gb: float = 0.0
 
     def layer_seconds(self, device_tflops: float) -> tuple[list[float], list[float]]:
         """Forward and backward seconds per sample of every layer on a device of this peak speed."""
@@ -41,6 +45,20 @@ class CostModel:
             return [layer.forward_s * scale for layer in layers], [layer.backward_s * scale for layer in layers]
         flops_per_s = device_tflops * 1e12 * self.efficiency
         return [la.forward_flops / flops_per_s for la in layers], [la.backward_flops / flops_per_s for la in layers]
+
+    def microbatch_seconds(self, device_tflops: float, microbatch_size: int) -> tuple[list[float], list[float]]:
+        """Forward and backward seconds of every layer for one micro-batch of `microbatch_size` samples."""
+        forward, backward = self.layer_seconds(device_tflops)
+        overhead = self.layer_overhead_s / 3
+        return (
+            [f * microbatch_size + overhead for f in forward],
+            [b * microbatch_size + 2 * overhead for b in backward],
+        )
+
+    def update_s(self, param_bytes: float, dp: int) -> float:
+        """The optimizer step over the parameters one rank of a stage holds (its shard under FSDP)."""
+        held = param_bytes / dp if self.sharding == "fsdp" else param_bytes
+        return self.optimizer_s_per_gb * held / 1e9
 
     def dp_link(self, ranks: tuple[int, ...]) -> Link:
         return self.topology.slowest_link(ranks, rdma=self.rdma)

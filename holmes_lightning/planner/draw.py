@@ -13,7 +13,7 @@ from holmes_lightning.planner.simulate import simulate
 from holmes_lightning.topology import Topology
 
 NIC_COLOURS = {"infiniband": "#1f4e9c", "roce": "#c0392b", "ethernet": "#7f8c8d"}
-FORWARD, BACKWARD, SYNC = "#8ecae6", "#1d3557", "#e76f51"
+FORWARD, BACKWARD, SYNC, OPTIMIZER = "#8ecae6", "#1d3557", "#e76f51", "#f4a261"
 
 
 def draw_plans(plans: dict[str, Plan], topology: Topology, path: str | Path, timelines: tuple[str, ...] = ()) -> Path:
@@ -85,10 +85,10 @@ def _timeline(axes, name: str, plan: Plan, horizon: float) -> None:
     """One row per stage (stage 0 on top): forward and backward blocks per micro-batch, then the exposed sync."""
     timeline = simulate(plan.stages, plan.schedule, plan.microbatches)
     for block in timeline.blocks:
-        colour = {"forward": FORWARD, "backward": BACKWARD, "sync": SYNC}[block.kind]
+        colour = {"forward": FORWARD, "backward": BACKWARD, "sync": SYNC, "optimizer": OPTIMIZER}[block.kind]
         y = plan.pp - 1 - block.stage
         axes.add_patch(Rectangle((block.start, y + 0.12), block.end - block.start, 0.76, fc=colour, ec="white", lw=0.4))
-        if block.kind != "sync" and (block.end - block.start) > horizon / 90:
+        if block.kind in ("forward", "backward") and (block.end - block.start) > horizon / 90:
             text_colour = "black" if block.kind == "forward" else "white"
             axes.text(
                 (block.start + block.end) / 2,
@@ -107,7 +107,7 @@ def _timeline(axes, name: str, plan: Plan, horizon: float) -> None:
     p = plan.prediction
     axes.set_title(
         f"{name}: step {p.total_s:.4g} s (compute {p.compute_s:.3g}, DP sync {p.dp_sync_s:.3g}, p2p {p.p2p_s:.3g}, "
-        f"bubble {p.bubble_s:.3g}), layers/stage {plan.layers_per_stage()}",
+        f"optimizer {p.optimizer_s:.3g}, bubble {p.bubble_s:.3g}), layers/stage {plan.layers_per_stage()}",
         fontsize=9,
         loc="left",
     )
@@ -115,5 +115,6 @@ def _timeline(axes, name: str, plan: Plan, horizon: float) -> None:
         Patch(color=FORWARD, label="forward"),
         Patch(color=BACKWARD, label="backward"),
         Patch(color=SYNC, label="exposed DP sync"),
+        Patch(color=OPTIMIZER, label="optimizer step"),
     ]
-    axes.legend(handles=handles, loc="lower right", bbox_to_anchor=(1, 1), fontsize=7, ncols=3, frameon=False)
+    axes.legend(handles=handles, loc="lower right", bbox_to_anchor=(1, 1), fontsize=7, ncols=4, frameon=False)

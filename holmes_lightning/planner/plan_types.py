@@ -14,7 +14,7 @@ class StagePlan:
     several for interleaved schedules (chunk j of stage s is virtual stage s + j * pp). Per chunk and micro-batch:
     `forward_s`/`backward_s` compute seconds and `send_s` the transfer of its output to the next virtual stage over
     `send_link` (0 for the last). `sync_s` is the stage's DP gradient sync per step over `dp_link`, `exposed_sync_s`
-    the part backward does not hide; `memory_gb` the estimated peak per device.
+    the part backward does not hide, `update_s` the optimizer step after it; `memory_gb` the estimated peak per device.
     """
 
     index: int
@@ -32,6 +32,7 @@ class StagePlan:
     send_gbps: float = 0.0
     sync_s: float = 0.0
     exposed_sync_s: float = 0.0
+    update_s: float = 0.0
     memory_gb: float = 0.0
 
     @property
@@ -43,8 +44,9 @@ class StagePlan:
 class StepPrediction:
     """Predicted seconds per optimizer step and where they go, for the stage that finishes last.
 
-    compute + dp_sync + p2p + bubble = total: `p2p_s` is what transfers add to the step, `bubble_s` the rest of
-    that stage's idle time. `tflops_per_device` counts model FLOPs (forward + backward, no recomputation).
+    compute + dp_sync + p2p + optimizer + bubble = total: `p2p_s` is what transfers add to the step, `optimizer_s`
+    the optimizer step after the sync, `bubble_s` the rest of that stage's idle time. `tflops_per_device` counts
+    model FLOPs (forward + backward, no recomputation).
     """
 
     total_s: float
@@ -52,6 +54,7 @@ class StepPrediction:
     dp_sync_s: float
     p2p_s: float
     bubble_s: float
+    optimizer_s: float = 0.0
     tokens_per_s: float = 0.0
     tflops_per_device: float = 0.0
     memory_gb: float = 0.0

@@ -41,8 +41,10 @@ class PlanOptions:
     (the faster of the two, FSDP on a tie since it needs less memory). backend: the collective library ("nccl" or
     "gloo"; gloo's reduce-scatter costs a whole all-reduce). chunks_per_stage: model chunks per stage for
     Interleaved1F1B. efficiency: fraction of peak
-    TFLOPS layers reach. dp_overlap: fraction of DP sync hidden under backward. state_multiplier: bytes of weights,
-    grads and optimizer state per parameter byte. memory_limit_gb: per device, None = unchecked.
+    TFLOPS layers reach. layer_overhead_s: seconds each layer adds to every micro-batch whatever its size (kernel
+    launches, framework hooks), so more micro-batches are not free. optimizer_s_per_gb: optimizer step seconds per
+    GB of parameters a rank holds. dp_overlap: fraction of DP sync hidden under backward. state_multiplier: bytes
+    of weights, grads and optimizer state per parameter byte. memory_limit_gb: per device, None = unchecked.
     """
 
     schedule: str = "1F1B"
@@ -54,6 +56,8 @@ class PlanOptions:
     backend: str = "nccl"
     chunks_per_stage: int = 2
     efficiency: float = 0.5
+    layer_overhead_s: float = 0.0
+    optimizer_s_per_gb: float = 0.0
     dp_overlap: float = 0.5
     state_multiplier: float = 4.0
     memory_limit_gb: float | None = None
@@ -80,6 +84,8 @@ def plan(topology: Topology, profile: ModelProfile, batch: BatchSettings, option
             sharding,
             options.state_multiplier,
             backend=options.backend,
+            layer_overhead_s=options.layer_overhead_s,
+            optimizer_s_per_gb=options.optimizer_s_per_gb,
         )
         for layout in _layouts(topology, options):
             layout_cost = replace(cost, rdma=layout.rdma)
@@ -140,6 +146,8 @@ def _check_request(profile: ModelProfile, batch: BatchSettings, options: PlanOpt
         (options.chunks_per_stage >= 1, "plan.chunks_per_stage", options.chunks_per_stage, "use >= 2 to interleave"),
         (0 < options.efficiency <= 1, "plan.efficiency", options.efficiency, "use a fraction of peak in (0, 1]"),
         (0 <= options.dp_overlap <= 1, "plan.dp_overlap", options.dp_overlap, "use a fraction in [0, 1]"),
+        (options.layer_overhead_s >= 0, "plan.layer_overhead_s", options.layer_overhead_s, "use seconds >= 0"),
+        (options.optimizer_s_per_gb >= 0, "plan.optimizer_s_per_gb", options.optimizer_s_per_gb, "use seconds >= 0"),
         (options.state_multiplier >= 1, "plan.state_multiplier", options.state_multiplier, "use >= 1 (4: fp32 Adam)"),
         (
             options.memory_limit_gb is None or options.memory_limit_gb > 0,

@@ -33,7 +33,7 @@ def format_plan(plan: Plan, profile: ModelProfile) -> str:
     lines += [
         "",
         f"  predicted step {p.total_s:.4g} s = compute {p.compute_s:.4g} + DP sync {p.dp_sync_s:.4g} + p2p "
-        f"{p.p2p_s:.4g} + bubble {p.bubble_s:.4g}; {p.tokens_per_s:,.0f} tokens/s, "
+        f"{p.p2p_s:.4g} + optimizer {p.optimizer_s:.4g} + bubble {p.bubble_s:.4g}; {p.tokens_per_s:,.0f} tokens/s, "
         f"{p.tflops_per_device:.1f} TFLOPS/GPU, {p.memory_gb:.1f} GB/GPU",
     ]
     lines += [f"  note: {note}" for note in plan.notes]

@@ -3,7 +3,7 @@
 Every stage runs its actions one after another. A forward of virtual stage k waits for virtual stage k-1's forward
 of the same micro-batch plus the activation transfer; a backward waits for virtual stage k+1's backward plus the
 gradient transfer (same bytes, same link). Transfers overlap compute and do not contend for links. After its last
-backward a stage spends its exposed DP sync; the step ends when the last stage finishes it.
+backward a stage spends its exposed DP sync, then its optimizer step; the step ends when the last stage is done.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from holmes_lightning.planner.schedules import Action, stage_actions
 
 @dataclass(frozen=True)
 class Block:
-    """One interval of one stage's time line: a forward, a backward, or the DP sync at the end."""
+    """One interval of one stage's time line: a forward, a backward, or the DP sync and optimizer step at the end."""
 
     stage: int
     kind: str
@@ -29,7 +29,7 @@ class Block:
 
 @dataclass(frozen=True)
 class Timeline:
-    """Every block of one simulated step; `stage_end_s[s]`: when stage s finishes its sync."""
+    """Every block of one simulated step; `stage_end_s[s]`: when stage s finishes its optimizer step."""
 
     blocks: tuple[Block, ...]
     stage_end_s: tuple[float, ...]
@@ -83,8 +83,10 @@ def simulate(stages: Sequence[StagePlan], schedule: str, microbatches: int) -> T
                 progressed = True
         if not progressed:
             raise RuntimeError(f"{schedule} order deadlocks with {pp} stages and {microbatches} micro-batches")
-    ends = tuple(clock[s] + stage.exposed_sync_s for s, stage in enumerate(stages))
-    blocks += [Block(s, "sync", 0, -1, clock[s], ends[s]) for s in range(pp)]
+    synced = [clock[s] + stage.exposed_sync_s for s, stage in enumerate(stages)]
+    ends = tuple(synced[s] + stage.update_s for s, stage in enumerate(stages))
+    blocks += [Block(s, "sync", 0, -1, clock[s], synced[s]) for s in range(pp)]
+    blocks += [Block(s, "optimizer", 0, -1, synced[s], ends[s]) for s in range(pp) if ends[s] > synced[s]]
     return Timeline(tuple(blocks), ends)
 
 
