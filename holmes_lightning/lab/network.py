@@ -3,8 +3,10 @@
 Per node: a namespace with `lo` and `eth0`, a veth whose other end is a port of the bridge `br0` in the bridge
 namespace. `eth0` holds the node's Ethernet address (10.213.1.x/24) and, on RDMA nodes, its fabric address
 (10.213.2.x/24): the kernel picks the source address from the destination's subnet, so a connection to a fabric
-address runs fabric-to-fabric in both directions. HTB on `eth0`'s egress shapes by destination address. Nothing is
-ever created in, or changed of, the host's own network namespace.
+address runs fabric-to-fabric in both directions. HTB on `eth0`'s egress shapes by destination address; each class
+queues at most `QUEUE_FRAMES` frames or `QUEUE_S` at its rate, like a switch port's buffer (veth's default queue of
+1000 jumbo frames holds over a second at lab rates: a collective's messages then wait behind its own data, and
+all-reduces varied by +-10%). Nothing is ever created in, or changed of, the host's own network namespace.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 from holmes_lightning.lab.plan import FABRIC_NET, EgressClass, LabNode, LabPlan
 
 MTU = 9000  # jumbo frames, as RDMA fabrics and data-centre Ethernet use: headers cost 0.7%, not 4%
+QUEUE_FRAMES, QUEUE_S = 8, 0.010
 NETNS_ETC = Path("/etc/netns")  # `ip netns exec NS` bind-mounts /etc/netns/NS/hosts over /etc/hosts
 DEVICE = "eth0"
 
@@ -75,6 +78,8 @@ def _egress_commands(egress: tuple[EgressClass, ...]) -> list[str]:
             f"class add dev {DEVICE} parent 1: classid {classid} htb rate {rate} ceil {rate} "
             f"burst {burst} cburst {burst} quantum 60000"
         )
+        queue = max(QUEUE_FRAMES * MTU, int(shaped.lab_mbit * 1e6 / 8 * QUEUE_S))
+        commands.append(f"qdisc add dev {DEVICE} parent {classid} handle {20 + i:x}: bfifo limit {queue}")
         commands.extend(
             f"filter add dev {DEVICE} parent 1: protocol ip prio 1 u32 match ip dst {address}/32 flowid {classid}"
             for address in shaped.destinations
