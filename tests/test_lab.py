@@ -59,6 +59,14 @@ def _namespaces_of(pid: int) -> list[str]:
     return [name for name in list_namespaces() if name.startswith(run_prefix(pid))]
 
 
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's exit is reaped by init whenever it gets to it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def _wait_for(condition, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -236,7 +244,7 @@ def test_stop_signal_tears_the_network_down(stop):
     run.send_signal(stop)
     assert run.wait(timeout=60) != 0
     assert _namespaces_of(run.pid) == []
-    assert not any(Path(f"/proc/{pid}").exists() for pid in ranks)
+    assert not any(_running(pid) for pid in ranks)
 
 
 @needs_lab
@@ -252,7 +260,7 @@ def test_cleanup_removes_what_a_killed_run_left():
     )
     assert cleanup.returncode == 0 and "removed" in cleanup.stdout, cleanup.stderr
     assert _namespaces_of(run.pid) == []
-    assert not any(Path(f"/proc/{pid}").exists() for pid in ranks)
+    assert not any(_running(pid) for pid in ranks)
     assert not list(Path("/etc/netns").glob(f"{run_prefix(run.pid)}*"))
 
 
