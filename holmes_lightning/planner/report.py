@@ -45,7 +45,7 @@ def format_comparison(plans: dict[str, Plan], reference: str = "holmes") -> str:
     base = plans[reference]
     header = (
         f"  {'plan':<13}{'pp x dp':<9}{'layers/stage':<22}{'mb':>5}{'step s':>10}{'tokens/s':>12}{'TFLOPS/GPU':>12}"
-        f"{'compute':>9}{'sync':>8}{'p2p':>8}{'bubble':>8}  {reference} speedup"
+        f"{'compute':>9}{'sync':>8}{'p2p':>8}{'optim':>8}{'bubble':>8}  {reference} speedup"
     )
     lines = ["Predicted step, same cost model:", header]
     for name, plan in plans.items():
@@ -54,7 +54,7 @@ def format_comparison(plans: dict[str, Plan], reference: str = "holmes") -> str:
         lines.append(
             f"  {name:<13}{f'{plan.pp}x{plan.dp}':<9}{layers[:21]:<22}{plan.microbatches:>5}{p.total_s:>10.4g}"
             f"{p.tokens_per_s:>12,.0f}{p.tflops_per_device:>12.1f}{_ms(p.compute_s):>9}{_ms(p.dp_sync_s):>8}"
-            f"{_ms(p.p2p_s):>8}{_ms(p.bubble_s):>8}  {base.speedup_over(plan):.2f}x"
+            f"{_ms(p.p2p_s):>8}{_ms(p.optimizer_s):>8}{_ms(p.bubble_s):>8}  {base.speedup_over(plan):.2f}x"
         )
     return "\n".join(lines)
 
