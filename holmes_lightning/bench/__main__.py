@@ -1,15 +1,17 @@
 """`python -m holmes_lightning.bench [bench=short|full] [bench.variants=[...]]`: every variant in the lab, one run.
 
-`bench=short` (default, README) took 12 minutes on 2 busy cores; `bench=full` (wider model, larger batch,
-8 measured steps) 28. Needs root for the lab's namespaces (without, links are not shaped and it says so).
+`bench=short` (default, README) takes about 3 minutes on 2 idle cores, `bench=full` (wider model, larger batch,
+8 measured steps) about 8; most of it is process start-up and the flat baselines' slow steps. Needs root for the
+lab's namespaces (without, links are not shaped and it says so). Holmes runs at pp=2 (`bench.pp`), the degrees the
+paper compares at; `bench.pp=null` lets the planner choose (for these small models it picks pp=4, no DP at all).
 
 Method: the same GPT, byte corpus, global batch and steps for every variant, each started in the lab on its own
 emulated network: Holmes on the hybrid cluster, on its homogeneous limit (`Topology.homogeneous()`) and with the
 NIC-unaware (Megatron, all-TCP) layout; Lightning's FSDP2 (ModelParallelStrategy) and DDPStrategy over all ranks;
 Holmes with auto and with uniform partition on the cluster with one slower NIC. Per step the slowest rank's time
 counts; warm-up steps are dropped; the median is reported. The prediction next to each run is the planner's, on
-the lab's hardware: device speed measured from a single-process training step (see `bench.calibrate`), every link
-at its configured speed x the bandwidth scale the lab shapes it with. `bench.trace=true` writes a torch profiler
+the lab's hardware: a rank's speed per sample, fixed cost per pass and AdamW step measured in one process (see
+`bench.calibrate`), every link at its configured speed x the bandwidth scale the lab shapes it with. `bench.trace=true` writes a torch profiler
 trace per rank of the first measured step. Writes results.md, results.json and results.png into the run directory
 (outputs/bench/<time>/) and prints the table.
 """
