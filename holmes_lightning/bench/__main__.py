@@ -11,9 +11,9 @@ NIC-unaware (Megatron, all-TCP) layout; Lightning's FSDP2 (ModelParallelStrategy
 Holmes with auto and with uniform partition on the cluster with one slower NIC. Per step the slowest rank's time
 counts; warm-up steps are dropped; the median is reported. The prediction next to each run is the planner's, on
 the lab's hardware: a rank's speed per sample, fixed cost per pass and AdamW step measured in one process (see
-`bench.calibrate`), every link at its configured speed x the bandwidth scale the lab shapes it with. `bench.trace=true` writes a torch profiler
-trace per rank of the first measured step. Writes results.md, results.json and results.png into the run directory
-(outputs/bench/<time>/) and prints the table.
+`bench.calibrate`), every link at its configured speed x the bandwidth scale the lab shapes it with.
+`bench.trace=true` writes a torch profiler trace per rank of the first measured step. Writes results.md,
+results.json and results.png into the run directory (outputs/bench/<time>/) and prints the table.
 """
 
 from __future__ import annotations

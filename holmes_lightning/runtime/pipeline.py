@@ -121,6 +121,8 @@ class Pipeline:
                 f"{self.plan.microbatches} micro-batches x {self.plan.microbatch_size} = {self.replica_batch}; give "
                 f"the train DataLoader batch_size=strategy.replica_batch_size (global batch / dp) and drop_last=True"
             )
+        for module in self._fsdp_modules():  # every stage gathers now, not when its first micro-batch arrives
+            module.unshard(async_op=True)  # FSDP's pre-forward waits for it
         local = self._run(self.train_schedule.step, inputs, targets)
         if self.plan.sharding != "fsdp" and self.plan.dp > 1:
             average_gradients((p for chunk in self.chunks for p in chunk.parameters()), self.dp_group)
@@ -142,9 +144,12 @@ class Pipeline:
             if shape not in self._eval_schedules:  # stage buffers are sized by the first micro-batch they see
                 self._eval_schedules[shape] = self._schedule(microbatches)
             loss = shared_loss(self._run(self._eval_schedules[shape].eval, inputs, targets), self.plan.dp, self.device)
-        for module in (m for chunk in self.chunks for m in chunk.modules() if isinstance(m, FSDPModule)):
+        for module in self._fsdp_modules():
             module.reshard()  # no backward follows to free the gathered weights
         return loss
+
+    def _fsdp_modules(self) -> list[FSDPModule]:
+        return [m for chunk in self.chunks for m in chunk.modules() if isinstance(m, FSDPModule)]
 
     def _run(self, step: Callable, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """One schedule call; the mean loss of this rank's micro-batches (None off the last stage)."""
