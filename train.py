@@ -34,7 +34,6 @@ from recipes import GPT, ByteCorpusDataModule, RunSummary, throughput_monitor
 register_configs()
 
 LOGGERS = ("csv", "wandb")
-LAB_MODES = ("loopback", "emulate")
 KNOWN_ERRORS = (ConfigError, TopologyError, PlanError, CheckpointError, ContractError)
 TRACEBACKS = os.environ.get("HYDRA_FULL_ERROR") == "1"  # asked for: known errors then show theirs too
 
@@ -80,8 +79,6 @@ def exit_with_error(err: BaseException, where: str = "") -> None:
 def check_choices(config: TrainConfig) -> None:
     if config.logger not in LOGGERS:
         raise ConfigError(f"logger={config.logger!r}: use one of {LOGGERS}")
-    if config.lab.mode not in LAB_MODES:
-        raise ConfigError(f"lab.mode={config.lab.mode!r}: use one of {LAB_MODES}")
 
 
 def is_rank_process() -> bool:
