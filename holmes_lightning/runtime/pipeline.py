@@ -91,6 +91,7 @@ class Pipeline:
         self.device = device
         self.loss_fn = loss_fn
         self.dp_group = dp_group
+        self.fsdp_modules = [m for chunk in self.chunks for m in chunk.modules() if isinstance(m, FSDPModule)]
         self.schedule_class = get_schedule_class(plan.schedule)
         self.train_schedule = self._schedule(plan.microbatches)
         self._eval_schedules: dict[tuple[int, ...], object] = {}
@@ -121,7 +122,7 @@ class Pipeline:
                 f"{self.plan.microbatches} micro-batches x {self.plan.microbatch_size} = {self.replica_batch}; give "
                 f"the train DataLoader batch_size=strategy.replica_batch_size (global batch / dp) and drop_last=True"
             )
-        for module in self._fsdp_modules():  # every stage gathers now, not when its first micro-batch arrives
+        for module in self.fsdp_modules:  # every stage gathers now, not when its first micro-batch arrives
             module.unshard(async_op=True)  # FSDP's pre-forward waits for it
         local = self._run(self.train_schedule.step, inputs, targets)
         if self.plan.sharding != "fsdp" and self.plan.dp > 1:
@@ -138,18 +139,15 @@ class Pipeline:
                 f"drop_last=True in the val/test DataLoader"
             )
         if self.plan.pp == 1:  # every virtual stage is here: run the chunks in order (torch's eval trips on this)
-            loss = self._run_locally(inputs, targets)
+            local = self._run_locally(inputs, targets)
         else:
             shape = tuple(inputs.shape)
             if shape not in self._eval_schedules:  # stage buffers are sized by the first micro-batch they see
                 self._eval_schedules[shape] = self._schedule(microbatches)
-            loss = shared_loss(self._run(self._eval_schedules[shape].eval, inputs, targets), self.plan.dp, self.device)
-        for module in self._fsdp_modules():
+            local = self._run(self._eval_schedules[shape].eval, inputs, targets)
+        for module in self.fsdp_modules:
             module.reshard()  # no backward follows to free the gathered weights
-        return loss
-
-    def _fsdp_modules(self) -> list[FSDPModule]:
-        return [m for chunk in self.chunks for m in chunk.modules() if isinstance(m, FSDPModule)]
+        return shared_loss(local, self.plan.dp, self.device)
 
     def _run(self, step: Callable, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """One schedule call; the mean loss of this rank's micro-batches (None off the last stage)."""
@@ -169,7 +167,7 @@ class Pipeline:
             for chunk in self.chunks:
                 x = chunk(x)
             losses.append(self.loss_fn(x, y).detach().float())
-        return shared_loss(torch.stack(losses).mean(), self.plan.dp, self.device)
+        return torch.stack(losses).mean()
 
 
 def shared_loss(local: torch.Tensor | None, dp: int, device: torch.device) -> torch.Tensor:
