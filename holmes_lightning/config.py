@@ -7,6 +7,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
+from holmes_lightning.planner.plan_types import Sharding
 from holmes_lightning.topology.spec import ClusterSpec
 
 
@@ -67,7 +68,7 @@ class StrategyConfig:
     partition: Any = "auto"
     pp: int | None = None
     dp: int | None = None
-    sharding: str = "auto"
+    sharding: Sharding = Sharding.auto
     timeout_s: float = 120.0
 
 

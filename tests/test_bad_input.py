@@ -149,7 +149,11 @@ def damaged_checkpoint(directory: Path) -> Path:
 @pytest.mark.parametrize(
     ("overrides", "env", "message"),
     [
-        (["cluster.clusters.1.nic.kind=myrinet"], {}, "cluster.clusters[1].nic.kind='myrinet' is not a NIC kind"),
+        (
+            ["cluster.clusters.1.nic.kind=myrinet"],
+            {},
+            "nic.kind=myrinet: Invalid value 'myrinet', expected one of [infin",
+        ),
         (["cluster.clusters.0.nodes=two"], {}, "Error merging override cluster.clusters.0.nodes=two: Value 'two'"),
         (["strategy.pp=3"], {}, "strategy.pp=3 does not divide the 4 ranks of 'two_cluster_mixed'; use a divisor"),
         (["strategy.pp=2", "strategy.microbatches=3"], {}, "strategy.microbatches=3 does not divide the 8 samples"),

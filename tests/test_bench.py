@@ -26,7 +26,7 @@ def test_every_variant_is_planned_and_reported(tmp_path):
     assert plans["holmes_hybrid"].sharding == "none"  # auto on gloo: replicas move 2/3 of FSDP's bytes
     assert plans["fsdp"].prediction.optimizer_s == pytest.approx(5.0 * profile.param_bytes / 4 / 1e9)
     assert plans["nic_unaware"].layout == "nic_unaware" and hardware.unequal.nodes[2].nic_gbps == 50
-    slow = [s for s in plans["holmes_unequal"].stages if s.cluster == "B"][0]  # fewer layers than a uniform split
+    slow = [s for s in plans["holmes_unequal"].stages if s.clusters == ("B",)][0]  # fewer layers than a uniform split
     assert len(slow.layers) < profile.num_layers / 2
 
     steps = settings.warmup_steps + settings.measured_steps

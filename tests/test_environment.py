@@ -49,7 +49,7 @@ def test_torchrun_variables(clean_env):
     assert (env.global_rank(), env.world_size(), env.node_rank(), env.local_rank()) == (3, 4, 3, 0)
     assert env.main_address == "10.1.0.1" and env.main_port == 29500
     env.check_placement()
-    assert env.topology.ranks[env.global_rank()].nic is NICKind.ROCE
+    assert env.topology.ranks[env.global_rank()].nic is NICKind.roce
 
 
 def test_slurm_variables(clean_env):
@@ -85,27 +85,27 @@ def unpinned():
 
 
 def test_detection_fills_unpinned_kinds():
-    reports = [NICReport(0, 0, NICKind.INFINIBAND, 200), NICReport(1, 1, NICKind.INFINIBAND, 200)]
-    reports += [NICReport(2, 2, NICKind.ROCE, 100), NICReport(3, 3, NICKind.ROCE, 100)]
+    reports = [NICReport(0, 0, NICKind.infiniband, 200), NICReport(1, 1, NICKind.infiniband, 200)]
+    reports += [NICReport(2, 2, NICKind.roce, 100), NICReport(3, 3, NICKind.roce, 100)]
     resolved = resolve_nics(unpinned(), reports)
     assert [g.nic.kind for g in resolved.clusters] == ["infiniband", "roce"]
 
 
 def test_detection_disagreeing_inside_a_cluster_is_an_error():
-    reports = [NICReport(0, 0, NICKind.INFINIBAND, 200), NICReport(1, 1, NICKind.ROCE, 200)]
+    reports = [NICReport(0, 0, NICKind.infiniband, 200), NICReport(1, 1, NICKind.roce, 200)]
     with pytest.raises(TopologyError, match="cluster 'A': its nodes report different NICs"):
         resolve_nics(unpinned(), reports)
 
 
 def test_pinned_kind_against_detection_warns():
-    reports = [NICReport(r, r, NICKind.ROCE, 100) for r in range(4)]
+    reports = [NICReport(r, r, NICKind.roce, 100) for r in range(4)]
     with pytest.warns(UserWarning, match="cluster 'A'"):
         resolved = resolve_nics(load_cluster_spec("two_cluster_mixed"), reports)
     assert resolved.clusters[0].nic.kind == "infiniband"
 
 
 def test_no_rdma_seen_keeps_pinned_kinds_silently():
-    reports = [NICReport(r, r, NICKind.ETHERNET, None) for r in range(4)]
+    reports = [NICReport(r, r, NICKind.ethernet, None) for r in range(4)]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         resolved = resolve_nics(load_cluster_spec("two_cluster_mixed"), reports)
@@ -126,4 +126,4 @@ def test_exchange_builds_the_topology_over_a_real_process_group(clean_env, tmp_p
         topology = env.exchange()
     finally:
         dist.destroy_process_group()
-    assert topology.nodes[0].nic is NICKind.INFINIBAND
+    assert topology.nodes[0].nic is NICKind.infiniband

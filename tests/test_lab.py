@@ -23,7 +23,7 @@ from holmes_lightning.lab.plan import format_scale, run_prefix
 from holmes_lightning.lab.probe import load_config, plan_pairs
 from holmes_lightning.lab.probe import main as probe_main
 from holmes_lightning.lab.scale import default_bandwidth_scale
-from holmes_lightning.planner.measure import cpu_rank_gflops
+from holmes_lightning.measure import cpu_rank_gflops
 from holmes_lightning.runtime.environment import NICGroupingEnvironment
 from holmes_lightning.runtime.groups import group_transport, new_group
 from holmes_lightning.topology import Topology, TopologyError
@@ -173,7 +173,8 @@ def allreduce_seconds(numel: int, repeats: int) -> dict[str, float]:
     environment = NICGroupingEnvironment(topology)
     times = {}
     for name, ranks in (("fabric", FABRIC_RANKS), ("across", ACROSS_RANKS)):
-        group = new_group(ranks, "gloo", group_transport(topology, ranks, environment), dist.default_pg_timeout)
+        transport = group_transport(topology.slowest_link(ranks).kind, environment)
+        group = new_group(ranks, "gloo", transport, dist.default_pg_timeout)
         if dist.get_rank() in ranks:
             tensor = torch.ones(numel)
             best = float("inf")

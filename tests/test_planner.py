@@ -20,7 +20,7 @@ from holmes_lightning.planner import (
 )
 from holmes_lightning.planner.layout import dp_degrees, holmes_layouts
 from holmes_lightning.planner.partition import StageCost, best_partition, objective
-from holmes_lightning.topology import Topology, shipped_cluster_names
+from holmes_lightning.topology import LinkKind, NICKind, Topology, shipped_cluster_names
 
 GPT_7_5B = ModelProfile.from_gpt(
     ModelConfig(name="gpt_7_5b", n_layers=36, d_model=4096, n_heads=32, seq_len=2048, vocab_size=50304)
@@ -33,11 +33,11 @@ def check_layout(topology: Topology, result: Plan) -> None:
     ranks = [r for stage in result.stages for r in stage.ranks]
     assert sorted(ranks) == list(range(topology.world_size))
     assert len({len(stage.ranks) for stage in result.stages}) == 1
-    group_of = {r: (info.cluster, info.nic.value) for r, info in enumerate(topology.ranks)}
+    group_of = {r: (info.cluster, info.nic) for r, info in enumerate(topology.ranks)}
     order = []
     for stage in result.stages:
         kinds = {group_of[r] for r in stage.ranks}
-        assert kinds == {(stage.cluster, stage.nic)}, "a DP group mixes clusters or NIC kinds"
+        assert {(stage.clusters, stage.nics)} == {((c,), (n,)) for c, n in kinds}, "a DP group mixes clusters or NICs"
         if not order or order[-1] != kinds:
             order.append(kinds)
     assert len(order) == len({frozenset(k) for k in order}), "a NIC group's stages are not adjacent"
@@ -137,15 +137,17 @@ def test_two_cluster_mixed_puts_one_stage_per_cluster_and_beats_the_alternatives
     plans = compare(topology, GPT_7_5B, BatchSettings(global_batch=64))
     holmes = plans["holmes"]
     assert holmes.pp == 2 and holmes.dp == 2
-    assert [(s.cluster, s.nic, s.dp_link) for s in holmes.stages] == [
-        ("A", "infiniband", "rdma"),
-        ("B", "roce", "rdma"),
+    assert [(s.clusters, s.nics, s.dp_link) for s in holmes.stages] == [
+        (("A",), (NICKind.infiniband,), LinkKind.RDMA),
+        (("B",), (NICKind.roce,), LinkKind.RDMA),
     ]
-    assert holmes.stages[0].send_link == "tcp"
+    assert holmes.stages[0].send_link is LinkKind.TCP
+    assert holmes.pp_links == (LinkKind.TCP, LinkKind.TCP) and holmes.rdma
     for other in ("nic_unaware", "flat_fsdp"):
         assert holmes.prediction.total_s < plans[other].prediction.total_s, other
     assert plans["homogeneous"].prediction.total_s <= holmes.prediction.total_s
-    assert plans["nic_unaware"].stages[0].dp_link == "tcp", "IB and RoCE in one job: Megatron runs on sockets"
+    assert plans["nic_unaware"].stages[0].dp_link is LinkKind.TCP, "IB and RoCE in one job: Megatron uses sockets"
+    assert not plans["nic_unaware"].rdma
     p = holmes.prediction
     assert p.compute_s + p.dp_sync_s + p.p2p_s + p.bubble_s == pytest.approx(p.total_s)
     assert p.tokens_per_s == pytest.approx(64 * 2048 / p.total_s)
@@ -160,7 +162,8 @@ def test_hostname_order_mixes_kinds_for_megatron_but_not_for_holmes():
     plans = compare(topology, GPT_7_5B, BatchSettings(global_batch=64))
     assert [s.ranks for s in plans["holmes"].stages] == [(0, 1), (2, 3)]
     assert [s.ranks for s in plans["nic_unaware"].stages] == [(0, 2), (1, 3)]
-    assert plans["nic_unaware"].stages[0].nic == "infiniband+roce"
+    assert plans["nic_unaware"].stages[0].nics == (NICKind.infiniband, NICKind.roce)
+    assert plans["nic_unaware"].stages[0].clusters == ("A", "B")
     assert any("mix" in note for note in plans["nic_unaware"].notes)
     assert plans["holmes"].speedup_over(plans["nic_unaware"]) > 1
 
@@ -173,20 +176,20 @@ def test_a_slower_cluster_gets_fewer_layers():
     topology = Topology.from_config({"name": "mixed_speed", "clusters": clusters})
     batch = BatchSettings(global_batch=64)
     holmes = plan(topology, GPT_7_5B, batch, PlanOptions(pp=2))
-    layers = {stage.cluster: len(stage.layers) for stage in holmes.stages}
+    layers = {stage.clusters[0]: len(stage.layers) for stage in holmes.stages}
     assert layers["slow"] < layers["fast"]
     uniform = plan(topology, GPT_7_5B, batch, PlanOptions(pp=2, partition="uniform"))
     assert holmes.prediction.total_s < uniform.prediction.total_s
     three = plan(Topology.from_config("three_cluster"), GPT_7_5B, batch)
     per_cluster = {}
     for stage in three.stages:
-        per_cluster.setdefault(stage.cluster, []).append(len(stage.layers))
+        per_cluster.setdefault(stage.clusters[0], []).append(len(stage.layers))
     assert min(per_cluster["A"]) > max(per_cluster["C"]), per_cluster
 
 
 def test_stage_order_keeps_the_slowest_link_at_one_boundary():
     three = plan(Topology.from_config("three_cluster"), GPT_7_5B, BatchSettings(global_batch=64))
-    clusters = [s.cluster for s in three.stages]
+    clusters = [s.clusters[0] for s in three.stages]
     assert clusters[0] == "C" or clusters[-1] == "C", clusters  # C (25 Gb/s) touches only one stage boundary
 
 

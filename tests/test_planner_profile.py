@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from holmes_lightning.config import ModelConfig
+from holmes_lightning.measure import profile_modules
 from holmes_lightning.planner import BatchSettings, ModelProfile, PlanOptions, plan
 from holmes_lightning.topology import Topology
 from recipes.gpt import GPT
@@ -15,7 +16,7 @@ SHAPE = {"n_layers": 2, "d_model": 64, "n_heads": 4, "seq_len": 32, "vocab_size"
 def measured() -> ModelProfile:
     torch.manual_seed(0)
     model = GPT(**SHAPE)
-    return ModelProfile.from_modules(model.pipeline_layers(), torch.randint(0, 256, (2, 32)), "gpt", time_repeats=2)
+    return profile_modules(model.pipeline_layers(), torch.randint(0, 256, (2, 32)), "gpt", time_repeats=2)
 
 
 def test_measured_and_analytic_profiles_agree(measured):

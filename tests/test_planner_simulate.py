@@ -5,6 +5,7 @@ import pytest
 from holmes_lightning.planner import StagePlan, simulate
 from holmes_lightning.planner.cost import CostModel
 from holmes_lightning.planner.schedules import microbatch_problem, peak_stash, stage_actions
+from holmes_lightning.topology import NICKind
 
 
 def stages(forward, backward, sends=None, syncs=None, chunks=1):
@@ -17,8 +18,8 @@ def stages(forward, backward, sends=None, syncs=None, chunks=1):
             index=s,
             ranks=(s,),
             chunks=tuple((0, 1) for _ in range(chunks)),
-            cluster="A",
-            nic="infiniband",
+            clusters=("A",),
+            nics=(NICKind.infiniband,),
             forward_s=(forward[s],) * chunks,
             backward_s=(backward[s],) * chunks,
             send_s=(sends[s],) * chunks,

@@ -19,6 +19,7 @@ from torch import nn
 from holmes_lightning import HolmesStrategy
 from holmes_lightning.planner import Plan, StagePlan, StepPrediction
 from holmes_lightning.runtime.pipeline import ContractError
+from holmes_lightning.topology import LinkKind, NICKind
 
 SEED, GLOBAL_BATCH, STEPS_PER_EPOCH = 3, 16, 3
 ONE_RANK = {"name": "one_rank", "clusters": [{"name": "local", "nodes": 1, "nic": {"kind": "ethernet"}}]}
@@ -42,8 +43,21 @@ class PlainMLP(L.LightningModule):
 
 def permuted_plan() -> Plan:
     """RoCE ranks first, each DP group in descending rank order: nothing may assume IB first or sorted ranks."""
-    stages = (StagePlan(0, (3, 2), ((0, 3),), "B", "roce"), StagePlan(1, (1, 0), ((3, 6),), "A", "infiniband"))
-    return Plan("holmes", "1F1B", stages, 4, 2, StepPrediction(0.0, 0.0, 0.0, 0.0, 0.0), num_layers=6)
+    fabric = {"dp_link": LinkKind.RDMA, "send_link": LinkKind.TCP}
+    stages = (
+        StagePlan(index=0, ranks=(3, 2), chunks=((0, 3),), clusters=("B",), nics=(NICKind.roce,), **fabric),
+        StagePlan(index=1, ranks=(1, 0), chunks=((3, 6),), clusters=("A",), nics=(NICKind.infiniband,), **fabric),
+    )
+    return Plan(
+        layout="holmes",
+        schedule="1F1B",
+        stages=stages,
+        microbatches=4,
+        microbatch_size=2,
+        prediction=StepPrediction(0.0, 0.0, 0.0, 0.0, 0.0),
+        num_layers=6,
+        pp_links=(LinkKind.TCP, LinkKind.TCP),
+    )
 
 
 def _fit(

@@ -46,8 +46,8 @@ def test_two_cluster_mixed_matches_the_paper_setting():
     topology = Topology.from_config("two_cluster_mixed")
     assert topology.world_size == 4
     assert [(g.cluster, g.nic, g.ranks) for g in topology.nic_groups()] == [
-        ("A", NICKind.INFINIBAND, (0, 1)),
-        ("B", NICKind.ROCE, (2, 3)),
+        ("A", NICKind.infiniband, (0, 1)),
+        ("B", NICKind.roce, (2, 3)),
     ]
     assert topology.link(0, 1).kind is LinkKind.RDMA and topology.link(0, 1).gbps == 200
     assert topology.link(1, 2).kind is LinkKind.TCP and topology.link(1, 2).gbps == 100
@@ -106,7 +106,7 @@ def _cluster(**overrides):
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        (_cluster(clusters=[{"name": "A", "nodes": 1, "nic": {"kind": "omnipath"}}]), "nic.kind='omnipath'"),
+        (_cluster(clusters=[{"name": "A", "nodes": 1, "nic": {"kind": "omnipath"}}]), "clusters[0].nic.kind: Invalid"),
         (_cluster(clusters=[{"name": "A", "nodes": 1, "nic": {"kind": "roce", "gbps": 0}}]), "nic.gbps=0"),
         (_cluster(clusters=[{"name": "A", "nodes": 0}]), "clusters[0].nodes=0"),
         (_cluster(devices_per_node=-1), "devices_per_node=-1"),

@@ -9,7 +9,6 @@ the lab shapes them.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -18,6 +17,7 @@ import torch
 
 from holmes_lightning.config import ModelConfig
 from holmes_lightning.lab.scale import default_bandwidth_scale
+from holmes_lightning.measure import profile_modules, rank_share
 from holmes_lightning.planner import ModelProfile
 from holmes_lightning.topology import LinkSpec, Topology
 from recipes import GPT
@@ -93,7 +93,7 @@ def gpt(model: ModelConfig, cls: type[GPT] = GPT) -> GPT:
 def profile_gpt(model: ModelConfig) -> ModelProfile:
     """FLOPs (FlopCounterMode) and bytes of the recipe's pipeline layers on one sequence."""
     sample = torch.zeros(1, model.seq_len, dtype=torch.long)
-    return ModelProfile.from_modules(gpt(model).pipeline_layers(), sample, name=model.name)
+    return profile_modules(gpt(model).pipeline_layers(), sample, name=model.name)
 
 
 def training_seconds(model: ModelConfig, samples: tuple[int, ...], repeats: int) -> tuple[list[float], float]:
@@ -119,12 +119,6 @@ def training_seconds(model: ModelConfig, samples: tuple[int, ...], repeats: int)
         return [statistics.median(passes[n][1:]) for n in samples], statistics.median(updates[1:])
     finally:
         torch.set_num_threads(threads)
-
-
-def rank_share(world_size: int) -> float:
-    """The fraction of a core each rank gets when every rank computes at once."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return min(1.0, cores / world_size)
 
 
 def lab_topology(topology: Topology, bandwidth_scale: float, device_tflops: float) -> Topology:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from hydra.core.config_store import ConfigStore
 
 from holmes_lightning.config import ConfigError, ModelConfig
-from holmes_lightning.planner.planner import SHARDINGS
+from holmes_lightning.planner import Sharding
 from holmes_lightning.topology.spec import ClusterSpec
 
 VARIANTS = ("holmes_hybrid", "holmes_homogeneous", "fsdp", "ddp", "nic_unaware", "holmes_unequal", "uniform_unequal")
@@ -31,7 +31,7 @@ class BenchSettings:
     measured_steps: int = 5
     schedule: str = "1F1B"
     pp: int | None = 2
-    holmes_sharding: str = "auto"
+    holmes_sharding: Sharding = Sharding.auto
     variants: list[str] = field(default_factory=lambda: list(VARIANTS))
     bandwidth_scale: float | None = None
     slow_cluster: str = "B"
@@ -52,8 +52,6 @@ class BenchSettings:
             raise ConfigError(
                 f"bench.warmup_steps={self.warmup_steps}, bench.measured_steps={self.measured_steps}: both must be >= 1"
             )
-        if self.holmes_sharding not in SHARDINGS:
-            raise ConfigError(f"bench.holmes_sharding={self.holmes_sharding!r}: use one of {', '.join(SHARDINGS)}")
         if self.pp is not None and self.pp < 1:
             raise ConfigError(f"bench.pp={self.pp!r}: must be >= 1, or null to let the planner choose")
         if self.bandwidth_scale is not None and not self.bandwidth_scale > 0:

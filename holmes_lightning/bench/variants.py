@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 from holmes_lightning.bench.calibrate import Calibration, lab_topology, with_slow_cluster
 from holmes_lightning.bench.config import BenchSettings
-from holmes_lightning.planner import BatchSettings, ModelProfile, Plan, PlanOptions, compare, plan
+from holmes_lightning.planner import BatchSettings, ModelProfile, Plan, PlanOptions, Sharding, compare, plan
 from holmes_lightning.topology import Topology
 
 REFERENCE = "holmes_hybrid"
@@ -68,11 +68,17 @@ def plan_variants(hardware: Hardware, profile: ModelProfile, settings: BenchSett
     )
     hybrid = compare(hardware.lab(hardware.hybrid), profile, batch, options)
     flat_fsdp = plan(
-        hardware.lab(hardware.hybrid), profile, batch, replace(options, layout="flat_fsdp", sharding="fsdp", pp=None)
+        hardware.lab(hardware.hybrid),
+        profile,
+        batch,
+        replace(options, layout="flat_fsdp", sharding=Sharding.fsdp, pp=None),
     )
     unequal = compare(hardware.lab(hardware.unequal), profile, batch, options)
     ddp = plan(
-        hardware.lab(hardware.hybrid), profile, batch, replace(options, layout="flat_fsdp", sharding="none", pp=None)
+        hardware.lab(hardware.hybrid),
+        profile,
+        batch,
+        replace(options, layout="flat_fsdp", sharding=Sharding.none, pp=None),
     )
     runs = {
         "holmes_hybrid": ("holmes", hardware.hybrid, hybrid["holmes"]),

@@ -17,14 +17,13 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard
 
 from holmes_lightning.bench.calibrate import gpt
 from holmes_lightning.config import ModelConfig
 from holmes_lightning.planner import Plan
 from holmes_lightning.runtime import HolmesStrategy
 from holmes_lightning.runtime.environment import default_environment
-from holmes_lightning.runtime.sharding import shard
 from holmes_lightning.topology import Topology
 from recipes import ByteCorpusDataModule
 from recipes.gpt import GPT
@@ -62,14 +61,15 @@ class StepTimer(Callback):
 
 
 class FlatFSDPGPT(GPT):
-    """The recipe's GPT under ModelParallelStrategy: FSDP2 over every rank, one unit per layer, then the root.
+    """The recipe's GPT under ModelParallelStrategy, as a Lightning user shards it: FSDP2 per layer, then the root.
 
     Weights stay gathered from forward to backward (ZeRO-2, one all-gather and one reduce-scatter per step), as the
     planner's flat_fsdp alternative costs it. Lightning's FSDPStrategy wraps torch's FSDP1, which refuses CPU devices.
     """
 
     def configure_model(self) -> None:
-        shard(self.pipeline_layers(), self, self.device_mesh["data_parallel"], "fsdp", MixedPrecisionPolicy(), False)
+        for module in (*self.pipeline_layers(), self):
+            fully_shard(module, mesh=self.device_mesh["data_parallel"], reshard_after_forward=False)
 
 
 def make_strategy(spec: dict, topology: Topology) -> Strategy:

@@ -1,7 +1,7 @@
 """The Holmes planner: pure Python over plain data (a Topology and a ModelProfile in, a Plan out)."""
 
 from holmes_lightning.planner.cost import CostModel
-from holmes_lightning.planner.plan_types import Plan, StagePlan, StepPrediction
+from holmes_lightning.planner.plan_types import Plan, Sharding, StagePlan, StepPrediction
 from holmes_lightning.planner.planner import BatchSettings, PlanError, PlanOptions, compare, plan
 from holmes_lightning.planner.profile import LayerProfile, ModelProfile
 from holmes_lightning.planner.schedules import SCHEDULES
@@ -17,6 +17,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "PlanOptions",
+    "Sharding",
     "StagePlan",
     "StepPrediction",
     "Timeline",

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from holmes_lightning.planner.cost import CostModel
 from holmes_lightning.planner.layout import Layout, boundary_link
 from holmes_lightning.planner.partition import StageCost
-from holmes_lightning.planner.plan_types import StagePlan, StepPrediction
+from holmes_lightning.planner.plan_types import StagePlan, StepPrediction, virtual_stage
 from holmes_lightning.planner.schedules import peak_stash, stage_actions
 from holmes_lightning.planner.simulate import simulate
 
@@ -76,13 +76,14 @@ class Candidate:
         last_virtual = pp * self.chunks - 1
         plans = []
         for s, group in enumerate(self.layout.stages):
-            ranges = tuple((bounds[s + j * pp], bounds[s + j * pp + 1]) for j in range(self.chunks))
+            virtual = [virtual_stage(s, j, pp) for j in range(self.chunks)]
+            ranges = tuple((bounds[k], bounds[k + 1]) for k in virtual)
             fwd, bwd = self.seconds[s]
             link, dp_link = self.send_links[s], self.dp_links[s]
             backward = tuple(sum(bwd[a:b]) for a, b in ranges)
             sends = tuple(
-                0.0 if s + j * pp == last_virtual else layers[b - 1].activation_bytes * mb / link.bytes_per_s
-                for j, (_, b) in enumerate(ranges)
+                0.0 if k == last_virtual else layers[b - 1].activation_bytes * mb / link.bytes_per_s
+                for k, (_, b) in zip(virtual, ranges, strict=True)
             )
             params = sum(self._range("params", a, b) for a, b in ranges)
             sync = cost.dp_sync_s(self.layout.dp, dp_link, params)
@@ -92,15 +93,15 @@ class Candidate:
                     index=s,
                     ranks=group.ranks,
                     chunks=ranges,
-                    cluster=group.cluster,
-                    nic=group.nic,
-                    dp_link=dp_link.kind.value,
+                    clusters=group.clusters,
+                    nics=group.nics,
+                    dp_link=dp_link.kind,
                     dp_gbps=dp_link.gbps if self.layout.dp > 1 else 0.0,
                     device_tflops=self.speeds[s],
                     forward_s=tuple(sum(fwd[a:b]) for a, b in ranges),
                     backward_s=backward,
                     send_s=sends,
-                    send_link=link.kind.value if pp > 1 else "",
+                    send_link=link.kind if pp > 1 else None,
                     send_gbps=link.gbps if pp > 1 else 0.0,
                     sync_s=sync,
                     exposed_sync_s=cost.exposed_sync_s(sync, sum(backward)),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from holmes_lightning.planner.plan_types import Sharding
 from holmes_lightning.planner.profile import ModelProfile
 from holmes_lightning.topology import Link, Topology
 
@@ -29,7 +30,7 @@ class CostModel:
     profile: ModelProfile
     efficiency: float = 0.5
     dp_overlap: float = 0.5
-    sharding: str = "fsdp"
+    sharding: Sharding = Sharding.fsdp
     state_multiplier: float = 4.0
     rdma: bool = True
     backend: str = "nccl"
@@ -57,7 +58,7 @@ class CostModel:
 
     def update_s(self, param_bytes: float, dp: int) -> float:
         """The optimizer step over the parameters one rank of a stage holds (its shard under FSDP)."""
-        held = param_bytes / dp if self.sharding == "fsdp" else param_bytes
+        held = param_bytes / dp if self.sharding is Sharding.fsdp else param_bytes
         return self.optimizer_s_per_gb * held / 1e9
 
     def dp_link(self, ranks: tuple[int, ...]) -> Link:
@@ -65,7 +66,7 @@ class CostModel:
 
     def dp_sync_s(self, group_size: int, link: Link, param_bytes: float) -> float:
         """Ring sync of `param_bytes` over a group of this size whose slowest link is `link`."""
-        passes = 3 if self.sharding == "fsdp" and self.backend == "gloo" else 2
+        passes = 3 if self.sharding is Sharding.fsdp and self.backend == "gloo" else 2
         return passes * (group_size - 1) / group_size * param_bytes / link.bytes_per_s
 
     def exposed_sync_s(self, sync_s: float, backward_s: float) -> float:
@@ -73,7 +74,7 @@ class CostModel:
         return max(sync_s * (1 - self.dp_overlap), sync_s - backward_s)
 
     def memory_bytes(self, param_bytes: float, dp: int, stash_bytes: float) -> float:
-        if self.sharding == "fsdp":
+        if self.sharding is Sharding.fsdp:
             states = param_bytes * (1 + (self.state_multiplier - 1) / dp)
         else:
             states = param_bytes * self.state_multiplier

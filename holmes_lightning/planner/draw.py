@@ -9,6 +9,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from holmes_lightning.planner.plan_types import Plan
+from holmes_lightning.planner.report import fabric_label
 from holmes_lightning.planner.simulate import simulate
 from holmes_lightning.topology import Topology
 
@@ -99,7 +100,7 @@ def _timeline(axes, name: str, plan: Plan, horizon: float) -> None:
                 fontsize=6,
                 color=text_colour,
             )
-    labels = [f"stage {s.index}  {s.cluster}/{s.nic}" for s in reversed(plan.stages)]
+    labels = [f"stage {s.index}  {fabric_label(s)}" for s in reversed(plan.stages)]
     axes.set_yticks([i + 0.5 for i in range(plan.pp)], labels, fontsize=8)
     axes.set_ylim(0, plan.pp)
     axes.set_xlim(0, horizon * 1.01)

@@ -6,7 +6,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from holmes_lightning.topology import Link, NICGroup, Topology
+from holmes_lightning.topology import Link, NICGroup, NICKind, Topology
 
 MAX_ORDERED_GROUPS = 8  # beyond this many NIC groups, stages follow config order instead of a search
 MAX_TIED_ORDERS = 24  # group orders with equally fast boundaries handed on to the cost model (config order first)
@@ -14,11 +14,11 @@ MAX_TIED_ORDERS = 24  # group orders with equally fast boundaries handed on to t
 
 @dataclass(frozen=True)
 class StageGroup:
-    """The ranks of one stage in DP order, and the cluster(s) and NIC kind(s) they sit on."""
+    """The ranks of one stage in DP order, and the clusters and NIC kinds they sit on (one of each in Holmes')."""
 
     ranks: tuple[int, ...]
-    cluster: str
-    nic: str
+    clusters: tuple[str, ...]
+    nics: tuple[NICKind, ...]
 
 
 @dataclass(frozen=True)
@@ -85,13 +85,13 @@ def boundary_link(topology: Topology, sender: StageGroup, receiver: StageGroup, 
 
 def _slices(group: NICGroup, dp: int) -> list[StageGroup]:
     ranks = group.ranks
-    return [StageGroup(ranks[i : i + dp], group.cluster, group.nic.value) for i in range(0, len(ranks), dp)]
+    return [StageGroup(ranks[i : i + dp], (group.cluster,), (group.nic,)) for i in range(0, len(ranks), dp)]
 
 
 def _group_of(topology: Topology, ranks: tuple[int, ...]) -> StageGroup:
     clusters = dict.fromkeys(topology.ranks[r].cluster for r in ranks)
-    nics = dict.fromkeys(topology.ranks[r].nic.value for r in ranks)
-    return StageGroup(ranks, "+".join(clusters), "+".join(nics))
+    nics = dict.fromkeys(topology.ranks[r].nic for r in ranks)
+    return StageGroup(ranks, tuple(clusters), tuple(nics))
 
 
 def _boundary_seconds_per_byte(topology: Topology, layout: Layout) -> float:

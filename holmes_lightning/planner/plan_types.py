@@ -3,7 +3,20 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from holmes_lightning.topology import ConfigEnum, LinkKind, NICKind
+
+PLAN_VERSION = 2  # 2: typed stage facts (clusters, nics, link kinds), `rdma` and `pp_links`
+
+
+class Sharding(ConfigEnum):
+    """How a stage's DP group holds its parameters: FSDP2 shards, full replicas, or the planner's pick (`auto`)."""
+
+    auto = "auto"
+    fsdp = "fsdp"
+    none = "none"
 
 
 @dataclass(frozen=True)
@@ -13,22 +26,24 @@ class StagePlan:
     `chunks` are half-open layer ranges [start, stop) into the profile's layer list; one chunk for GPipe/1F1B,
     several for interleaved schedules (chunk j of stage s is virtual stage s + j * pp). Per chunk and micro-batch:
     `forward_s`/`backward_s` compute seconds and `send_s` the transfer of its output to the next virtual stage over
-    `send_link` (0 for the last). `sync_s` is the stage's DP gradient sync per step over `dp_link`, `exposed_sync_s`
-    the part backward does not hide, `update_s` the optimizer step after it; `memory_gb` the estimated peak per device.
+    `send_link` (0 for the last; no link without a pipeline). `clusters` / `nics`: what the DP group spans, one of
+    each in a Holmes layout, several in a NIC-unaware one. `sync_s` is the stage's DP gradient sync per step over
+    `dp_link`, `exposed_sync_s` the part backward does not hide, `update_s` the optimizer step after it; `memory_gb`
+    the estimated peak per device.
     """
 
     index: int
     ranks: tuple[int, ...]
     chunks: tuple[tuple[int, int], ...]
-    cluster: str
-    nic: str
-    dp_link: str = "intra_node"
+    clusters: tuple[str, ...]
+    nics: tuple[NICKind, ...]
+    dp_link: LinkKind = LinkKind.INTRA_NODE
     dp_gbps: float = 0.0
     device_tflops: float = 0.0
     forward_s: tuple[float, ...] = ()
     backward_s: tuple[float, ...] = ()
     send_s: tuple[float, ...] = ()
-    send_link: str = ""
+    send_link: LinkKind | None = None
     send_gbps: float = 0.0
     sync_s: float = 0.0
     exposed_sync_s: float = 0.0
@@ -38,6 +53,11 @@ class StagePlan:
     @property
     def layers(self) -> list[int]:
         return [i for start, stop in self.chunks for i in range(start, stop)]
+
+    @property
+    def mixes_fabrics(self) -> bool:
+        """The DP group spans clusters or NIC kinds (only a NIC-unaware layout does that)."""
+        return len(self.clusters) > 1 or len(self.nics) > 1
 
 
 @dataclass(frozen=True)
@@ -62,7 +82,12 @@ class StepPrediction:
 
 @dataclass(frozen=True)
 class Plan:
-    """A rank layout, a partition and a schedule, with the step time the cost model predicts for them."""
+    """A rank layout, a partition and a schedule, with the step time the cost model predicts for them.
+
+    `sharding` is the resolved choice (fsdp or none). `rdma`: the job's communicators use their RDMA fabrics (False:
+    every one runs on TCP sockets, as a NIC-unaware job holding IB and RoCE must). `pp_links[d]` is the slowest link
+    of DP column d's pipeline group (the ranks with dp index d, one per stage); each stage's own group is `dp_link`.
+    """
 
     layout: str
     schedule: str
@@ -73,8 +98,11 @@ class Plan:
     num_layers: int
     notes: tuple[str, ...] = field(default_factory=tuple)
     partition: str = "auto"
-    sharding: str = "fsdp"
+    sharding: Sharding = Sharding.fsdp
     tokens_per_sample: int = 0
+    rdma: bool = True
+    pp_links: tuple[LinkKind, ...] = ()
+    version: int = PLAN_VERSION
 
     @property
     def pp(self) -> int:
@@ -92,6 +120,49 @@ class Plan:
     def global_batch(self) -> int:
         return self.microbatches * self.microbatch_size * self.dp
 
+    @property
+    def replica_batch(self) -> int:
+        """Samples per step of one DP replica (what its DataLoader yields): micro-batches x micro-batch size."""
+        return self.microbatches * self.microbatch_size
+
+    @property
+    def is_fsdp(self) -> bool:
+        return self.sharding is Sharding.fsdp
+
+    @property
+    def is_pipelined(self) -> bool:
+        """More than one virtual stage: a schedule runs the step (also pp=1 with two chunks on one rank)."""
+        return self.num_virtual_stages > 1
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """FSDP frees gathered weights after forward only without a pipeline (torchtitan's default policy).
+
+        Pipelined, the weights stay gathered from forward to backward: re-gathering per micro-batch costs an all-gather
+        each, and resharding gives the zero-bubble schedules wrong gradients (GUIDE section 6).
+        """
+        return not self.is_pipelined
+
+    @property
+    def chunks_per_stage(self) -> int:
+        return len(self.stages[0].chunks)
+
+    @property
+    def num_virtual_stages(self) -> int:
+        return self.pp * self.chunks_per_stage
+
+    def virtual_stages(self, stage: int) -> tuple[int, ...]:
+        """The virtual pipeline stages `stage` runs, one per chunk (loop placement: chunk j is `stage + j * pp`)."""
+        return tuple(virtual_stage(stage, chunk, self.pp) for chunk in range(self.chunks_per_stage))
+
+    def holds_first(self, stage: int) -> bool:
+        """`stage` runs virtual stage 0: it feeds the inputs."""
+        return 0 in self.virtual_stages(stage)
+
+    def holds_last(self, stage: int) -> bool:
+        """`stage` runs the last virtual stage: it computes the loss."""
+        return self.num_virtual_stages - 1 in self.virtual_stages(stage)
+
     def mesh_layout(self) -> list[list[int]]:
         """Ranks as a (pp, dp) grid, row s = stage s's DP group: the layout of the ("pp", "dp") DeviceMesh."""
         return [list(stage.ranks) for stage in self.stages]
@@ -108,10 +179,17 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
+        """A plan written by `to_json`, of this version or version 1 (which has no `rdma` / `pp_links`)."""
         data = json.loads(text)
-        stages = tuple(StagePlan(**{key: _tuples(value) for key, value in s.items()}) for s in data.pop("stages"))
+        version = data.pop("version", 1)
+        stages = tuple(_stage_from_json(stage, version) for stage in data.pop("stages"))
         prediction = StepPrediction(**data.pop("prediction"))
-        return cls(stages=stages, prediction=prediction, notes=tuple(data.pop("notes", ())), **data)
+        known = {f.name for f in fields(cls)}
+        data = {key: value for key, value in data.items() if key in known}
+        data["sharding"] = Sharding(data.get("sharding", Sharding.fsdp))
+        data["pp_links"] = tuple(LinkKind(kind) for kind in data.get("pp_links", ()))
+        data["notes"] = tuple(data.get("notes", ()))
+        return cls(stages=stages, prediction=prediction, version=version, **data)
 
     def layers_per_stage(self) -> list[int]:
         return [len(stage.layers) for stage in self.stages]
@@ -119,6 +197,29 @@ class Plan:
     def speedup_over(self, other: Plan) -> float:
         """How many times faster this plan's predicted step is than `other`'s."""
         return other.prediction.total_s / self.prediction.total_s
+
+
+def virtual_stage(stage: int, chunk: int, pp: int) -> int:
+    """The virtual stage that chunk `chunk` of `stage` runs, in loop placement (interleaved schedules)."""
+    return stage + chunk * pp
+
+
+def locate_virtual(virtual: int, pp: int) -> tuple[int, int]:
+    """(stage, chunk) that runs virtual stage `virtual`: the inverse of `virtual_stage`."""
+    chunk, stage = divmod(virtual, pp)
+    return stage, chunk
+
+
+def _stage_from_json(data: dict[str, Any], version: int) -> StagePlan:
+    data = {key: _tuples(value) for key, value in data.items()}
+    if version == 1:  # one "+"-joined name per DP group; no send link written as ""
+        data["clusters"] = tuple(data.pop("cluster").split("+"))
+        data["nics"] = tuple(data.pop("nic").split("+"))
+        data["send_link"] = data.get("send_link") or None
+    data["nics"] = tuple(NICKind(nic) for nic in data["nics"])
+    data["dp_link"] = LinkKind(data.get("dp_link", LinkKind.INTRA_NODE))
+    data["send_link"] = None if data.get("send_link") is None else LinkKind(data["send_link"])
+    return StagePlan(**data)
 
 
 def _tuples(value: object) -> object:

@@ -9,13 +9,13 @@ from holmes_lightning.planner.candidate import GB, Candidate
 from holmes_lightning.planner.cost import CostModel
 from holmes_lightning.planner.layout import Layout, dp_degrees, flat_layout, holmes_layouts, megatron_layout
 from holmes_lightning.planner.partition import StageCost, best_partition, uniform_partition
-from holmes_lightning.planner.plan_types import Plan, StagePlan
+from holmes_lightning.planner.plan_types import Plan, Sharding, StagePlan
 from holmes_lightning.planner.profile import ModelProfile
 from holmes_lightning.planner.schedules import SCHEDULES, microbatch_problem
 from holmes_lightning.topology import Topology
 
 LAYOUTS = ("holmes", "nic_unaware", "flat_fsdp")
-SHARDINGS = ("auto", "fsdp", "none")
+SHARDINGS = tuple(Sharding)
 BACKENDS = ("nccl", "gloo")
 
 
@@ -52,7 +52,7 @@ class PlanOptions:
     pp: int | None = None
     dp: int | None = None
     layout: str = "holmes"
-    sharding: str = "auto"
+    sharding: Sharding = Sharding.auto
     backend: str = "nccl"
     chunks_per_stage: int = 2
     efficiency: float = 0.5
@@ -73,7 +73,8 @@ def plan(topology: Topology, profile: ModelProfile, batch: BatchSettings, option
     _check_request(profile, batch, options)
     best: Plan | None = None
     problems: list[str] = []
-    shardings = ("fsdp", "none") if options.sharding == "auto" else (options.sharding,)
+    options = replace(options, sharding=Sharding(options.sharding))
+    shardings = (Sharding.fsdp, Sharding.none) if options.sharding is Sharding.auto else (options.sharding,)
     for sharding in shardings:  # FSDP first: replicas win only when strictly faster
         chosen = replace(options, sharding=sharding)
         cost = CostModel(
@@ -88,6 +89,8 @@ def plan(topology: Topology, profile: ModelProfile, batch: BatchSettings, option
             optimizer_s_per_gb=options.optimizer_s_per_gb,
         )
         for layout in _layouts(topology, options):
+            if layout.dp == 1 and sharding is Sharding.fsdp and options.sharding is Sharding.auto:
+                continue  # one rank per stage: nothing to shard, and FSDP's hooks would cost time for nothing
             layout_cost = replace(cost, rdma=layout.rdma)
             for microbatches in _microbatch_counts(layout, profile, batch, options, problems):
                 candidate = _plan_layout(layout, layout_cost, batch, microbatches, chosen, problems)
@@ -119,7 +122,7 @@ def compare(
         "flat_fsdp": (
             topology,
             batch,
-            replace(options, layout="flat_fsdp", sharding="fsdp", partition="auto", pp=None, dp=None),
+            replace(options, layout="flat_fsdp", sharding=Sharding.fsdp, partition="auto", pp=None, dp=None),
         ),
         "homogeneous": (topology.homogeneous(), batch, options),
     }
@@ -258,7 +261,7 @@ def _plan_layout(
     candidate = Candidate(layout, cost, options.schedule, options.chunks, microbatches, microbatch_size)
     limit = options.memory_limit_gb * GB if options.memory_limit_gb else None
     fix = "use more stages (strategy.pp) or micro-batches (strategy.microbatches), or a larger limit"
-    fix += ", or strategy.sharding=fsdp" if options.sharding != "fsdp" else ""
+    fix += ", or strategy.sharding=fsdp" if options.sharding is not Sharding.fsdp else ""
     counts = _partition_counts(options, candidate, limit)
     if counts is None:
         problems.append(
@@ -267,6 +270,8 @@ def _plan_layout(
         )
         return None
     stages = candidate.stage_plans(counts)
+    topology = cost.topology
+    columns = [tuple(stage.ranks[d] for stage in layout.stages) for d in range(layout.dp)]
     worst = max(stages, key=lambda stage: stage.memory_gb)
     if limit is not None and worst.memory_gb * GB > limit:
         problems.append(
@@ -286,6 +291,8 @@ def _plan_layout(
         partition=options.partition if isinstance(options.partition, str) else "explicit",
         sharding=options.sharding,
         tokens_per_sample=profile.tokens_per_sample,
+        rdma=layout.rdma,
+        pp_links=tuple(topology.slowest_link(column, rdma=layout.rdma).kind for column in columns),
     )
 
 
@@ -315,7 +322,7 @@ def _notes(layout: Layout, stages: list[StagePlan]) -> tuple[str, ...]:
     notes = []
     if not layout.rdma:
         notes.append("IB and RoCE share this job's communicators, so every one of them runs on TCP sockets")
-    mixed = [s.index for s in stages if "+" in s.nic or "+" in s.cluster]
+    mixed = [s.index for s in stages if s.mixes_fabrics]
     if mixed:
         notes.append(f"stages {mixed} mix clusters or NIC kinds inside one DP group")
     return tuple(notes)

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from holmes_lightning.config import ModelConfig
@@ -85,17 +84,3 @@ class ModelProfile:
         head = LayerProfile("head", head_flops, 2 * head_flops, head_params, logits, hidden_out + logits)
         blocks = tuple(replace(block, name=f"block{i}") for i in range(model.n_layers))
         return cls(model.name, (embedding, *blocks, head), tokens_per_sample=s)
-
-    @classmethod
-    def from_modules(
-        cls, modules: Sequence[Any], sample_microbatch: Any, name: str = "model", time_repeats: int = 0
-    ) -> ModelProfile:
-        """Measure `modules` applied in sequence to one micro-batch: FLOPs (FlopCounterMode), bytes, optionally time.
-
-        `time_repeats > 0` also times each layer's forward and backward (median of that many runs) on this machine;
-        the seconds then stand for the topology's fastest device (`measured_tflops=None`).
-        """
-        from holmes_lightning.planner.measure import measure_layers
-
-        layers, tokens = measure_layers(list(modules), sample_microbatch, time_repeats)
-        return cls(name, tuple(layers), tokens_per_sample=tokens)

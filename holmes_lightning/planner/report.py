@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from holmes_lightning.planner.plan_types import Plan
+from holmes_lightning.planner.plan_types import Plan, StagePlan
 from holmes_lightning.planner.profile import ModelProfile
 
 
@@ -22,11 +22,15 @@ def format_plan(plan: Plan, profile: ModelProfile) -> str:
     lines += ["", header]
     for stage in plan.stages:
         layers = "; ".join(_layer_range(profile, start, stop) for start, stop in stage.chunks)
-        dp_link = f"{stage.dp_link} {stage.dp_gbps:g} Gb/s" if len(stage.ranks) > 1 else "-"
-        send = f"{stage.send_link} {stage.send_gbps:g} Gb/s" if stage.index < plan.pp - 1 else "-"
+        dp_link = f"{stage.dp_link.value} {stage.dp_gbps:g} Gb/s" if len(stage.ranks) > 1 else "-"
+        send = (
+            f"{stage.send_link.value} {stage.send_gbps:g} Gb/s"
+            if stage.send_link and stage.index < plan.pp - 1
+            else "-"
+        )
         compute = sum(stage.forward_s) + sum(stage.backward_s)
         lines.append(
-            f"  {stage.index:<6}{stage.cluster + '/' + stage.nic:<20}{stage.device_tflops:>7g}  {layers:<34}"
+            f"  {stage.index:<6}{fabric_label(stage):<20}{stage.device_tflops:>7g}  {layers:<34}"
             f"{dp_link:<20}{send:<16}{_ms(compute):>11}{_ms(stage.sync_s):>9}{_ms(stage.exposed_sync_s):>9}"
             f"{stage.memory_gb:>8.1f}"
         )
@@ -57,6 +61,11 @@ def format_comparison(plans: dict[str, Plan], reference: str = "holmes") -> str:
             f"{_ms(p.p2p_s):>8}{_ms(p.optimizer_s):>8}{_ms(p.bubble_s):>8}  {base.speedup_over(plan):.2f}x"
         )
     return "\n".join(lines)
+
+
+def fabric_label(stage: StagePlan) -> str:
+    """`A/infiniband`, or `A,B/infiniband,roce` for a DP group that spans clusters and NIC kinds."""
+    return f"{','.join(stage.clusters)}/{','.join(nic.value for nic in stage.nics)}"
 
 
 def _layer_range(profile: ModelProfile, start: int, stop: int) -> str:

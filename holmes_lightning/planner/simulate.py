@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from holmes_lightning.planner.plan_types import StagePlan
+from holmes_lightning.planner.plan_types import StagePlan, locate_virtual, virtual_stage
 from holmes_lightning.planner.schedules import Action, stage_actions
 
 
@@ -54,7 +54,7 @@ def simulate(stages: Sequence[StagePlan], schedule: str, microbatches: int) -> T
     blocks: list[Block] = []
 
     def ready(stage: int, action: Action) -> float | None:
-        k = stage + action.chunk * pp
+        k = virtual_stage(stage, action.chunk, pp)
         if not action.backward:
             if k == 0:
                 return 0.0
@@ -76,7 +76,7 @@ def simulate(stages: Sequence[StagePlan], schedule: str, microbatches: int) -> T
                 start = max(start, clock[s])
                 seconds = (stage.backward_s if action.backward else stage.forward_s)[action.chunk]
                 clock[s] = start + seconds
-                done[(action.backward, s + action.chunk * pp, action.microbatch)] = clock[s]
+                done[(action.backward, virtual_stage(s, action.chunk, pp), action.microbatch)] = clock[s]
                 kind = "backward" if action.backward else "forward"
                 blocks.append(Block(s, kind, action.chunk, action.microbatch, start, clock[s]))
                 position[s] += 1
@@ -90,6 +90,7 @@ def simulate(stages: Sequence[StagePlan], schedule: str, microbatches: int) -> T
     return Timeline(tuple(blocks), ends)
 
 
-def _send(stages: Sequence[StagePlan], virtual_stage: int, pp: int) -> float:
+def _send(stages: Sequence[StagePlan], virtual: int, pp: int) -> float:
     """Seconds to move one micro-batch's activation (or its gradient) from virtual stage k to k+1."""
-    return stages[virtual_stage % pp].send_s[virtual_stage // pp]
+    stage, chunk = locate_virtual(virtual, pp)
+    return stages[stage].send_s[chunk]

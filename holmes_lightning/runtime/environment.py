@@ -55,14 +55,14 @@ def resolve_nics(spec: ClusterSpec, reports: list[NICReport]) -> ClusterSpec:
                 f"cluster {group.name!r}: its nodes report different NICs {sorted(k.value for k in kinds)}; split it "
                 f"into one cluster per NIC kind in the config"
             )
-        detected = next(iter(kinds), NICKind.ETHERNET)
+        detected = next(iter(kinds), NICKind.ethernet)
         if group.nic.kind is None:
             kind = detected
-        elif detected is NICKind.ETHERNET:  # no RDMA device seen: nothing to contradict a pinned kind
+        elif detected is NICKind.ethernet:  # no RDMA device seen: nothing to contradict a pinned kind
             kind = NICKind(group.nic.kind)
         else:
             kind = reconcile(group.nic.kind, detected, f"cluster {group.name!r}")
-        clusters.append(replace(group, nic=replace(group.nic, kind=kind.value)))
+        clusters.append(replace(group, nic=replace(group.nic, kind=kind)))
     return replace(spec, clusters=clusters)
 
 

@@ -1,4 +1,4 @@
-"""Process groups and the ("pp", "dp") DeviceMesh of a Plan, each group on the transport its ranks' NICs share.
+"""Process groups and the ("pp", "dp") DeviceMesh of a Plan, each group on the link kind the Plan gives it.
 
 A group whose ranks share one RDMA fabric (one cluster, InfiniBand or RoCE) talks over it: NCCL's "IB" net, or a gloo
 device bound to the node's fabric address. Any other group spanning nodes goes over TCP: NCCL's "Socket" net, or gloo
@@ -15,9 +15,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from holmes_lightning.planner import Plan
-from holmes_lightning.planner.layout import mixes_rdma_kinds
 from holmes_lightning.runtime.environment import NICGroupingEnvironment
-from holmes_lightning.topology import LinkKind, Topology
+from holmes_lightning.topology import LinkKind
 
 BOUND_GLOO = "holmes_gloo"
 MESH_DIMS = ("pp", "dp")
@@ -36,19 +35,9 @@ class Transport:
         return {LinkKind.RDMA: "IB", LinkKind.TCP: "Socket"}.get(self.link)
 
 
-def group_transport(
-    topology: Topology, ranks: tuple[int, ...], environment: NICGroupingEnvironment, rdma: bool = True
-) -> Transport:
-    """The ranks' shared RDMA fabric if they have one, otherwise Ethernet/TCP (`rdma=False`: TCP between all nodes)."""
-    link = topology.slowest_link(ranks, rdma=rdma).kind
-    if link is LinkKind.TCP:
-        return Transport(link, environment.node_address)
-    return Transport(link, environment.fabric_address)
-
-
-def uses_rdma(plan: Plan, topology: Topology) -> bool:
-    """Holmes keeps each group on its own fabric; other layouts put IB and RoCE in one job on TCP (as the planner)."""
-    return plan.layout == "holmes" or not mixes_rdma_kinds(topology)
+def group_transport(link: LinkKind, environment: NICGroupingEnvironment) -> Transport:
+    """A group on `link` listens on the node's Ethernet address for TCP, on its fabric address otherwise."""
+    return Transport(link, environment.node_address if link is LinkKind.TCP else environment.fabric_address)
 
 
 def _create_bound_gloo(options: dist.distributed_c10d._DistributedBackendOptions, hostname: str) -> dist.Backend:
@@ -103,21 +92,15 @@ class PlanMesh:
 
 
 def build_mesh(
-    plan: Plan,
-    topology: Topology,
-    environment: NICGroupingEnvironment,
-    device_type: str,
-    backend: str,
-    timeout: timedelta,
+    plan: Plan, *, environment: NICGroupingEnvironment, device_type: str, backend: str, timeout: timedelta
 ) -> PlanMesh:
     """Create every stage's DP group and every DP column's pipeline group (all ranks, same order), then the mesh."""
-    rank, rdma = dist.get_rank(), uses_rdma(plan, topology)
-    stage, dp_index = plan.coordinate(rank)
+    stage, dp_index = plan.coordinate(dist.get_rank())
     layout = plan.mesh_layout()
     rows = [tuple(row) for row in layout]
     columns = [tuple(row[d] for row in layout) for d in range(plan.dp)]
-    dp_transports = [group_transport(topology, row, environment, rdma) for row in rows]
-    pp_transports = [group_transport(topology, column, environment, rdma) for column in columns]
+    dp_transports = [group_transport(s.dp_link, environment) for s in plan.stages]
+    pp_transports = [group_transport(link, environment) for link in plan.pp_links]
     dp_groups = [new_group(row, backend, t, timeout) for row, t in zip(rows, dp_transports, strict=True)]
     pp_groups = [new_group(column, backend, t, timeout) for column, t in zip(columns, pp_transports, strict=True)]
     mesh = DeviceMesh.from_group(

@@ -12,7 +12,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from holmes_lightning.planner import Plan
-from holmes_lightning.runtime.sharding import average_gradients
+from holmes_lightning.runtime.sharding import GradientSync
 
 CONTRACT = ("pipeline_layers", "pipeline_loss")
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -70,19 +70,20 @@ def keep_owned_layers(module: nn.Module, layers: Sequence[nn.Module], owned: set
 class Pipeline:
     """This rank's chunks as PipelineStages and the plan's schedule; one schedule per micro-batch shape for eval.
 
-    Chunks of a plan with sharding "fsdp" come FSDP2-sharded; otherwise they are full replicas, whose gradients
-    `train_step` averages over `dp_group` once the schedule is done.
+    The chunks come parallelized (`sharding.parallelize`); `gradient_syncs` are what it left to run after each
+    schedule step (the gradient averaging of pipelined replicas).
     """
 
     def __init__(
         self,
+        *,
         plan: Plan,
         stage: int,
         chunks: Sequence[nn.Module],
         pp_group: dist.ProcessGroup,
         device: torch.device,
         loss_fn: LossFn,
-        dp_group: dist.ProcessGroup,
+        gradient_syncs: Sequence[GradientSync] = (),
     ) -> None:
         self.plan = plan
         self.stage = stage
@@ -90,25 +91,25 @@ class Pipeline:
         self.pp_group = pp_group
         self.device = device
         self.loss_fn = loss_fn
-        self.dp_group = dp_group
+        self.gradient_syncs = list(gradient_syncs)
         self.fsdp_modules = [m for chunk in self.chunks for m in chunk.modules() if isinstance(m, FSDPModule)]
         self.schedule_class = get_schedule_class(plan.schedule)
         self.train_schedule = self._schedule(plan.microbatches)
         self._eval_schedules: dict[tuple[int, ...], object] = {}
 
     @property
-    def is_last(self) -> bool:
-        return self.stage == self.plan.pp - 1
+    def is_first(self) -> bool:
+        return self.plan.holds_first(self.stage)
 
     @property
-    def replica_batch(self) -> int:
-        return self.plan.microbatches * self.plan.microbatch_size
+    def is_last(self) -> bool:
+        return self.plan.holds_last(self.stage)
 
     def _schedule(self, microbatches: int) -> object:
-        pp, virtual = self.plan.pp, self.plan.pp * len(self.chunks)
+        virtual = self.plan.virtual_stages(self.stage)
         stages = [
-            PipelineStage(chunk, self.stage + j * pp, virtual, self.device, group=self.pp_group)
-            for j, chunk in enumerate(self.chunks)
+            PipelineStage(chunk, index, self.plan.num_virtual_stages, self.device, group=self.pp_group)
+            for index, chunk in zip(virtual, self.chunks, strict=True)
         ]
         if issubclass(self.schedule_class, PipelineScheduleSingle):
             return self.schedule_class(stages[0], n_microbatches=microbatches, loss_fn=self.loss_fn)
@@ -116,17 +117,17 @@ class Pipeline:
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward of one replica batch; gradients land in the stage's parameters. Returns the loss."""
-        if inputs.shape[0] != self.replica_batch:
+        if inputs.shape[0] != self.plan.replica_batch:
             raise ValueError(
                 f"a training batch has {inputs.shape[0]} samples per DP replica but the plan needs "
-                f"{self.plan.microbatches} micro-batches x {self.plan.microbatch_size} = {self.replica_batch}; give "
-                f"the train DataLoader batch_size=strategy.replica_batch_size (global batch / dp) and drop_last=True"
+                f"{self.plan.microbatches} micro-batches x {self.plan.microbatch_size} = {self.plan.replica_batch}; "
+                f"give the train DataLoader batch_size=strategy.replica_batch_size (global batch / dp), drop_last=True"
             )
         for module in self.fsdp_modules:  # every stage gathers now, not when its first micro-batch arrives
             module.unshard(async_op=True)  # FSDP's pre-forward waits for it
         local = self._run(self.train_schedule.step, inputs, targets)
-        if self.plan.sharding != "fsdp" and self.plan.dp > 1:
-            average_gradients((p for chunk in self.chunks for p in chunk.parameters()), self.dp_group)
+        for sync in self.gradient_syncs:
+            sync()
         return shared_loss(local, self.plan.dp, self.device)
 
     def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -153,7 +154,7 @@ class Pipeline:
         """One schedule call; the mean loss of this rank's micro-batches (None off the last stage)."""
         losses: list[torch.Tensor] = []
         inputs, targets = inputs.to(self.device), targets.to(self.device)
-        first = (inputs,) if self.stage == 0 else ()  # this rank holds virtual stage 0 / the last virtual stage
+        first = (inputs,) if self.is_first else ()
         step(*first, target=targets if self.is_last else None, losses=losses)
         return torch.stack([loss.detach().float() for loss in losses]).mean() if losses else None
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -13,35 +13,45 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from holmes_lightning.planner import Plan, Sharding
+
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket: few collectives, bounded extra memory
 
 
-def shard(
-    layers: Sequence[nn.Module],
-    root: nn.Module,
-    mesh: DeviceMesh,
-    sharding: str,
-    mp_policy: MixedPrecisionPolicy,
-    reshard_after_forward: bool,
-) -> None:
-    """One FSDP unit per layer (so reduce-scatter overlaps backward and all-gathers prefetch), then the root.
+GradientSync = Callable[[], None]
 
-    `sharding="none"` keeps full replicas and all-reduces gradients per layer, DDP-style, through the same hooks.
+
+def parallelize(
+    root: nn.Module, *, layers: Sequence[nn.Module], mesh: DeviceMesh, plan: Plan, mp_policy: MixedPrecisionPolicy
+) -> GradientSync | None:
+    """Apply the plan's data parallelism to one model chunk over its stage's DP mesh, always in this order.
+
+    1. A group of one rank has nothing to shard or sync: the chunk stays a plain module.
+    2. FSDP2: `fully_shard` each layer (its reduce-scatter overlaps the backward of the layers before it, its
+       all-gather is prefetched), then the chunk's root, which the pipeline unshards at the start of each step.
+       Weights are freed after forward per `plan.reshard_after_forward`.
+    3. Replicas without a pipeline: `replicate` each layer, then the root (gradient all-reduces overlap backward).
+    4. Replicas in a pipeline stay plain modules: per-layer hooks would fire for every micro-batch on the critical
+       path, so the returned sync averages their gradients once, after the schedule.
+
+    Returns the gradient sync the pipeline must run after each schedule step (case 4), else None.
     """
-    if sharding == "fsdp":
+    if mesh.size() == 1:
+        return None
+    if plan.sharding == Sharding.fsdp:
         for module in (*layers, root):
-            fully_shard(module, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
-    else:
+            fully_shard(module, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=plan.reshard_after_forward)
+        return None
+    if not plan.is_pipelined:
         for module in (*layers, root):
             replicate(module, mesh=mesh, mp_policy=mp_policy)
+        return None
+    group = mesh.get_group()
+    return lambda: average_gradients(root.parameters(), group)
 
 
 def average_gradients(parameters: Iterable[nn.Parameter], group: dist.ProcessGroup) -> None:
-    """Average full-replica gradients over `group`, a few flat all-reduces of up to `BUCKET_BYTES` each.
-
-    Pipelined replicas sync once after the schedule: per-layer hooks would fire for every micro-batch on the
-    critical path, and only the last micro-batch's backward could hide the sync anyway.
-    """
+    """Average full-replica gradients over `group`, a few flat all-reduces of up to `BUCKET_BYTES` each."""
     buckets = list(_buckets([p.grad for p in parameters if p.grad is not None]))
     flats = [torch._utils._flatten_dense_tensors(bucket) for bucket in buckets]
     works = [dist.all_reduce(flat, group=group, async_op=True) for flat in flats]

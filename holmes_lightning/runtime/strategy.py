@@ -32,15 +32,15 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 
 from holmes_lightning import planner
-from holmes_lightning.planner import SCHEDULES, BatchSettings, LayerProfile, ModelProfile, Plan, PlanOptions
-from holmes_lightning.planner.measure import cpu_rank_gflops
+from holmes_lightning.measure import cpu_rank_gflops, profile_modules
+from holmes_lightning.planner import SCHEDULES, BatchSettings, LayerProfile, ModelProfile, Plan, PlanOptions, Sharding
 from holmes_lightning.planner.planner import LAYOUTS, SHARDINGS
 from holmes_lightning.planner.report import format_plan
 from holmes_lightning.runtime import checkpoint, resume
 from holmes_lightning.runtime.environment import NICGroupingEnvironment
 from holmes_lightning.runtime.groups import PlanMesh, build_mesh
 from holmes_lightning.runtime.pipeline import Pipeline, check_contract, keep_owned_layers, missing_contract, split_batch
-from holmes_lightning.runtime.sharding import clip_grad_norm_, shard
+from holmes_lightning.runtime.sharding import clip_grad_norm_, parallelize
 from holmes_lightning.topology import ClusterSpec, Topology
 
 
@@ -72,7 +72,7 @@ class HolmesStrategy(ModelParallelStrategy):
         partition: str | Sequence[int] = "auto",
         pp: int | None = None,
         dp: int | None = None,
-        sharding: str = "auto",
+        sharding: Sharding | str = Sharding.auto,
         global_batch: int | None = None,
         layout: str = "holmes",
         plan: Plan | str | Path | None = None,
@@ -85,7 +85,7 @@ class HolmesStrategy(ModelParallelStrategy):
         super().__init__(process_group_backend=process_group_backend, timeout=seconds)
         self.cluster = cluster
         self.options = PlanOptions(
-            schedule=schedule, partition=partition, pp=pp, dp=dp, layout=layout, sharding=sharding
+            schedule=schedule, partition=partition, pp=pp, dp=dp, layout=layout, sharding=Sharding(sharding)
         )
         self.batch = None if global_batch is None else BatchSettings(global_batch, microbatches)
         self.profile = profile
@@ -103,7 +103,7 @@ class HolmesStrategy(ModelParallelStrategy):
     @property
     def replica_batch_size(self) -> int:
         """Samples per training step that each DP replica's DataLoader must yield (global batch / dp)."""
-        return self._require_plan().microbatches * self._require_plan().microbatch_size
+        return self._require_plan().replica_batch
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -140,9 +140,12 @@ class HolmesStrategy(ModelParallelStrategy):
         self.topology = self.cluster_environment.exchange()
         if self.plan_mesh is None:
             self.plan = self._agree_on_plan()
-            backend = self._get_process_group_backend()
             self.plan_mesh = build_mesh(
-                self.plan, self.topology, self.cluster_environment, self.root_device.type, backend, self._timeout
+                self.plan,
+                environment=self.cluster_environment,
+                device_type=self.root_device.type,
+                backend=self._get_process_group_backend(),
+                timeout=self._timeout,
             )
         self._device_mesh = self.plan_mesh.mesh
         assert self.lightning_module is not None
@@ -194,10 +197,15 @@ class HolmesStrategy(ModelParallelStrategy):
                 f"`self.example_input_array = <input tensor, samples first>` in __init__, or pass "
                 f"HolmesStrategy(profile=ModelProfile...)"
             )
-        return ModelProfile.from_modules(module.pipeline_layers(), sample, name=type(module).__name__)
+        return profile_modules(module.pipeline_layers(), sample, name=type(module).__name__)
 
     def _check_given_plan(self, given: Plan) -> Plan:
         assert self.topology is not None
+        if len(given.pp_links) != given.dp:
+            raise ValueError(
+                f"plan= (version {given.version}) does not say which link each pipeline group uses (pp_links); plan "
+                f"again with this version (holmes-plan ... plan.json=FILE, or HolmesStrategy without plan=)"
+            )
         if given.world_size != self.topology.world_size:
             raise ValueError(
                 f"plan= has {given.pp} stages x {given.dp} ranks = {given.world_size} ranks, but cluster "
@@ -256,20 +264,27 @@ class HolmesStrategy(ModelParallelStrategy):
                 f"returns {len(layers)}; plan for this model"
             )
         stage = active_plan.stages[mesh.stage]
-        if active_plan.pp == 1 and len(stage.chunks) == 1:  # no pipeline: FSDP2 only, the module's own steps
-            shard(layers, module, mesh.dp_mesh, active_plan.sharding, policy, reshard_after_forward=True)
-        else:  # pp > 1, or several chunks: virtual stages, possibly all on this rank (pp=1, Interleaved1F1B)
+        if not active_plan.is_pipelined:  # FSDP2 or replicas only: the module's own training_step runs
+            parallelize(module, layers=layers, mesh=mesh.dp_mesh, plan=active_plan, mp_policy=policy)
+        else:  # virtual stages, possibly all on this rank (pp=1, Interleaved1F1B)
             check_contract(module, active_plan.pp)
             if self.precision_plugin.precision == "16-mixed":
                 raise ValueError("HolmesStrategy pipelines train in fp32 or bf16: use precision='bf16-mixed'")
             keep_owned_layers(module, layers, set(stage.layers))
             module.example_input_array = None  # the whole forward no longer runs here (model summary would call it)
             chunks = [nn.Sequential(*layers[start:stop]) for start, stop in stage.chunks]
-            if active_plan.sharding == "fsdp":  # replicas stay plain modules: the pipeline all-reduces their grads
-                for chunk in chunks:  # resharding after forward gives zero-bubble schedules wrong gradients
-                    shard(list(chunk), chunk, mesh.dp_mesh, "fsdp", policy, reshard_after_forward=False)
+            syncs = [
+                parallelize(chunk, layers=list(chunk), mesh=mesh.dp_mesh, plan=active_plan, mp_policy=policy)
+                for chunk in chunks
+            ]
             self.pipeline = Pipeline(
-                active_plan, mesh.stage, chunks, mesh.pp_group, self.root_device, module.pipeline_loss, mesh.dp_group
+                plan=active_plan,
+                stage=mesh.stage,
+                chunks=chunks,
+                pp_group=mesh.pp_group,
+                device=self.root_device,
+                loss_fn=module.pipeline_loss,
+                gradient_syncs=[sync for sync in syncs if sync is not None],
             )
         _materialize_distributed_module(module, self.root_device)
         self.model_to_device()

@@ -1,7 +1,7 @@
 """What the hardware is: clusters, nodes, NIC kinds and link speeds."""
 
 from holmes_lightning.topology.detect import detect_node_nic, detect_ports
-from holmes_lightning.topology.spec import ClusterGroupSpec, ClusterSpec, LinkSpec, NICKind, NICSpec
+from holmes_lightning.topology.spec import ClusterGroupSpec, ClusterSpec, ConfigEnum, LinkSpec, NICKind, NICSpec
 from holmes_lightning.topology.topology import (
     Link,
     LinkKind,
@@ -18,6 +18,7 @@ from holmes_lightning.topology.topology import (
 __all__ = [
     "ClusterGroupSpec",
     "ClusterSpec",
+    "ConfigEnum",
     "Link",
     "LinkKind",
     "LinkSpec",

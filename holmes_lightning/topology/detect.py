@@ -41,7 +41,7 @@ def detect_ports(sysfs_root: str | Path = SYSFS_INFINIBAND) -> list[DetectedPort
         state = _read(port_dir / "state") or "ACTIVE"
         if "ACTIVE" not in state.upper() or layer not in ("infiniband", "ethernet"):
             continue
-        kind = NICKind.INFINIBAND if layer == "infiniband" else NICKind.ROCE
+        kind = NICKind.infiniband if layer == "infiniband" else NICKind.roce
         port = int(port_dir.name) if port_dir.name.isdigit() else 0
         ports.append(DetectedPort(port_dir.parent.parent.name, port, kind, _rate_gbps(_read(port_dir / "rate"))))
     return ports
@@ -50,11 +50,11 @@ def detect_ports(sysfs_root: str | Path = SYSFS_INFINIBAND) -> list[DetectedPort
 def detect_node_nic(sysfs_root: str | Path = SYSFS_INFINIBAND) -> tuple[NICKind, float | None]:
     """The node's fabric: InfiniBand if any IB port is active, else RoCE, else Ethernet (rate unknown)."""
     ports = detect_ports(sysfs_root)
-    for kind in (NICKind.INFINIBAND, NICKind.ROCE):
+    for kind in (NICKind.infiniband, NICKind.roce):
         rates = [p.gbps for p in ports if p.kind is kind and p.gbps]
         if any(p.kind is kind for p in ports):
             return kind, (max(rates) if rates else None)
-    return NICKind.ETHERNET, None
+    return NICKind.ethernet, None
 
 
 def reconcile(configured: str | None, detected: NICKind, where: str) -> NICKind:

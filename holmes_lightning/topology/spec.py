@@ -6,23 +6,33 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 
-class NICKind(str, Enum):
+class ConfigEnum(str, Enum):
+    """A string-valued choice: Hydra matches config values to member names, so members are named as their values.
+
+    `str()` and f-strings give the value (as `str` subclasses do on every Python version), JSON writes the value.
+    """
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class NICKind(ConfigEnum):
     """The fabric a node's network card speaks."""
 
-    INFINIBAND = "infiniband"
-    ROCE = "roce"
-    ETHERNET = "ethernet"
+    infiniband = "infiniband"
+    roce = "roce"
+    ethernet = "ethernet"
 
     @property
     def is_rdma(self) -> bool:
-        return self is not NICKind.ETHERNET
+        return self is not NICKind.ethernet
 
 
 @dataclass
 class NICSpec:
     """A node's NIC: its kind (None = detect from sysfs, Ethernet if none found) and per-port bandwidth."""
 
-    kind: str | None = "ethernet"
+    kind: NICKind | None = NICKind.ethernet
     gbps: float = 100.0
 
 

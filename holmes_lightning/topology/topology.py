@@ -99,10 +99,21 @@ def load_cluster_spec(source: str | Path | Mapping | DictConfig | ClusterSpec) -
     try:
         merged = OmegaConf.merge(OmegaConf.structured(ClusterSpec), raw)
     except Exception as err:  # omegaconf raises several types; all mean "this key or value is wrong"
-        key = getattr(err, "full_key", "") or "?"
-        first_line = str(err).splitlines()[0]
-        raise TopologyError(f"cluster.{key}: {first_line} (see conf/cluster/*.yaml for the schema)") from err
+        raise _schema_error(err, raw) from err
     return OmegaConf.to_object(merged)
+
+
+def _schema_error(err: Exception, raw: DictConfig) -> TopologyError:
+    """The error with the field as the config spells it (OmegaConf's key drops the index of a list entry)."""
+    key = getattr(err, "full_key", "") or "?"
+    for i, entry in enumerate(raw.get("clusters") or []):
+        try:
+            OmegaConf.merge(OmegaConf.structured(ClusterGroupSpec), entry)
+        except Exception as entry_err:  # the first cluster entry that is wrong on its own
+            err, key = entry_err, f"clusters[{i}].{getattr(entry_err, 'full_key', '') or '?'}"
+            break
+    first_line = str(err).splitlines()[0]
+    return TopologyError(f"cluster.{key}: {first_line} (see conf/cluster/*.yaml for the schema)")
 
 
 class Topology:
@@ -207,7 +218,7 @@ class Topology:
     def homogeneous(self) -> Topology:
         """The same machines with every inter-node link at the fastest NIC's speed: the limit Holmes approaches."""
         fastest = max(node.nic_gbps for node in self.nodes)
-        best_kind = max(self.nodes, key=lambda node: (node.nic.is_rdma, node.nic_gbps)).nic.value
+        best_kind = max(self.nodes, key=lambda node: (node.nic.is_rdma, node.nic_gbps)).nic
         groups = [replace(g, nic=replace(g.nic, kind=best_kind, gbps=fastest)) for g in self.spec.clusters]
         spec = replace(self.spec, name=f"{self.name}_homogeneous", clusters=groups, inter_cluster=LinkSpec(fastest))
         return Topology(spec)

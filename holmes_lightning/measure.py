@@ -1,16 +1,30 @@
-"""Measure pipeline layers on one micro-batch: FLOPs with FlopCounterMode, bytes from tensors, optional timing."""
+"""Measure what the planner plans with: pipeline layers on one micro-batch (FLOPs with FlopCounterMode, bytes from
+tensors, optional timing) and this CPU's speed. It feeds the pure-Python planner and is never imported by it."""
 
 from __future__ import annotations
 
 import os
 import statistics
 import time
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from holmes_lightning.planner.profile import LayerProfile
+from holmes_lightning.planner.profile import LayerProfile, ModelProfile
+
+
+def profile_modules(
+    modules: Sequence[nn.Module], sample: torch.Tensor, name: str = "model", time_repeats: int = 0
+) -> ModelProfile:
+    """Profile `modules` applied in sequence to one micro-batch `sample` (samples first).
+
+    `time_repeats > 0` also times each layer's forward and backward (median of that many runs) on this machine;
+    the seconds then stand for the topology's fastest device (`measured_tflops=None`).
+    """
+    layers, tokens = measure_layers(list(modules), sample, time_repeats)
+    return ModelProfile(name, tuple(layers), tokens_per_sample=tokens)
 
 
 def measure_layers(
@@ -18,7 +32,7 @@ def measure_layers(
 ) -> tuple[list[LayerProfile], int]:
     """Per-sample profiles of `modules` applied in order to `sample` (batch first), and the tokens per sample."""
     if not modules:
-        raise ValueError("from_modules: the module list is empty; pass the model's pipeline_layers()")
+        raise ValueError("profile_modules: the module list is empty; pass the model's pipeline_layers()")
     batch = sample.shape[0]
     tokens = sample[0].numel()
     layers = []
@@ -104,6 +118,11 @@ def available_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def rank_share(world_size: int) -> float:
+    """The fraction of a core each of `world_size` ranks on this machine gets when they all compute at once."""
+    return min(1.0, available_cores() / world_size)
+
+
 def cpu_rank_gflops(world_size: int) -> float:
     """What one of `world_size` single-thread ranks on this machine computes: its core share of `cpu_gflops`."""
-    return cpu_gflops() * min(1.0, available_cores() / world_size)
+    return cpu_gflops() * rank_share(world_size)
