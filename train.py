@@ -103,9 +103,14 @@ def start_ranks(config: TrainConfig, topology: Topology, run_dir: str) -> int:
 
 def make_strategy(config: TrainConfig, topology: Topology) -> HolmesStrategy:
     """HolmesStrategy from the config's strategy group (built in the launcher too, so bad arguments stop it early)."""
-    options = asdict(config.strategy)
-    timeout = options.pop("timeout_s")
-    return HolmesStrategy(cluster=topology, global_batch=config.data.global_batch, timeout=timeout, **options)
+    settings = config.strategy
+    return HolmesStrategy(
+        cluster=topology,
+        global_batch=config.data.global_batch,
+        microbatches=settings.microbatches,
+        options=settings.plan_options(),
+        timeout=settings.timeout_s,
+    )
 
 
 def train(config: TrainConfig, topology: Topology, strategy: HolmesStrategy, run_dir: str) -> None:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields
 
 from hydra.core.config_store import ConfigStore
 
-from holmes_lightning.planner.plan_types import Sharding
+from holmes_lightning.planner import PlanOptions
 from holmes_lightning.topology.spec import ClusterSpec
 
 
@@ -62,14 +61,15 @@ class DataConfig:
 
 
 @dataclass
-class StrategyConfig:
-    schedule: str = "1F1B"
+class StrategyConfig(PlanOptions):
+    """HolmesStrategy's settings: what to plan (`PlanOptions`), the micro-batch count and the collective timeout."""
+
     microbatches: int | None = None
-    partition: Any = "auto"
-    pp: int | None = None
-    dp: int | None = None
-    sharding: Sharding = Sharding.auto
     timeout_s: float = 120.0
+
+    def plan_options(self) -> PlanOptions:
+        """The plan settings alone, without the runtime's."""
+        return PlanOptions(**{f.name: getattr(self, f.name) for f in fields(PlanOptions)})
 
 
 @dataclass
@@ -160,19 +160,11 @@ class TrainConfig:
 
 @dataclass
 class PlanConfig:
-    """The `plan` CLI's outputs and the cost model's knobs (see `holmes_lightning.planner.PlanOptions`)."""
+    """The `plan` CLI's outputs (the plan settings themselves are `strategy.*`, as for train.py)."""
 
     out: str | None = None
     json: str | None = None
-    efficiency: float = 0.5
-    dp_overlap: float = 0.5
-    state_multiplier: float = 4.0
-    memory_limit_gb: float | None = None
-    chunks_per_stage: int = 2
     bytes_per_value: int = 2
-    backend: str = "nccl"
-    layer_overhead_s: float = 0.0
-    optimizer_s_per_gb: float = 0.0
 
     def __post_init__(self) -> None:
         _require(self.bytes_per_value in (2, 4), "plan.bytes_per_value", self.bytes_per_value, "use 2 (bf16) or 4")

@@ -14,7 +14,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from holmes_lightning.config import PlanJobConfig, register_configs
-from holmes_lightning.planner import BatchSettings, ModelProfile, PlanError, PlanOptions, compare
+from holmes_lightning.planner import BatchSettings, ModelProfile, PlanError, compare
 from holmes_lightning.planner.draw import draw_plans
 from holmes_lightning.planner.report import format_comparison, format_plan
 from holmes_lightning.topology import Topology, TopologyError, config_dir
@@ -27,27 +27,13 @@ def run(config: PlanJobConfig) -> dict:
     topology = Topology.from_config(config.cluster)
     profile = ModelProfile.from_gpt(config.model, bytes_per_value=config.plan.bytes_per_value)
     strategy, knobs = config.strategy, config.plan
-    options = PlanOptions(
-        schedule=strategy.schedule,
-        partition=strategy.partition,
-        pp=strategy.pp,
-        dp=strategy.dp,
-        sharding=strategy.sharding,
-        backend=knobs.backend,
-        chunks_per_stage=knobs.chunks_per_stage,
-        efficiency=knobs.efficiency,
-        layer_overhead_s=knobs.layer_overhead_s,
-        optimizer_s_per_gb=knobs.optimizer_s_per_gb,
-        dp_overlap=knobs.dp_overlap,
-        state_multiplier=knobs.state_multiplier,
-        memory_limit_gb=knobs.memory_limit_gb,
-    )
     print(topology)
     print(
         f"\nModel {profile.name}: {profile.num_layers} pipeline layers, {profile.param_bytes / 1e9:.2f} GB of weights, "
         f"global batch {config.data.global_batch} x {profile.tokens_per_sample} tokens\n"
     )
-    plans = compare(topology, profile, BatchSettings(config.data.global_batch, strategy.microbatches), options)
+    batch = BatchSettings(config.data.global_batch, strategy.microbatches)
+    plans = compare(topology, profile, batch, strategy.plan_options())
     print(format_plan(plans["holmes"], profile))
     print()
     print(format_comparison(plans))

@@ -7,7 +7,9 @@ not divide the batch, a schedule that needs more micro-batches) fails in the lau
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
+
+import torch
 
 from holmes_lightning import planner
 from holmes_lightning.config import TrainConfig
@@ -19,8 +21,17 @@ MODEL_SHAPE = ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size")
 
 
 def check_plan(config: TrainConfig, topology: Topology, batch: BatchSettings, options: PlanOptions) -> Plan:
-    """The plan the job's settings lead to (the ranks plan again on the measured model; its feasibility is the same)."""
+    """The plan the job's settings lead to, costed for the collective library the ranks will use (the ranks plan
+    again on the measured model; its feasibility is the same)."""
+    options = replace(options, backend=collective_backend(config.trainer.accelerator))
     return planner.plan(topology, ModelProfile.from_gpt(config.model), batch, options)
+
+
+def collective_backend(accelerator: str) -> str:
+    """What Lightning's process group will run on: NCCL on GPUs, gloo on CPU (`auto`: GPUs if there are any)."""
+    if accelerator == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return "gloo" if accelerator == "cpu" else "nccl"
 
 
 def resume_path(config: TrainConfig, plan: Plan) -> str | None:

@@ -161,8 +161,21 @@ def damaged_checkpoint(directory: Path) -> Path:
         (["data.global_batch=6", "strategy.dp=4"], {}, "strategy.dp=4: every stage must hold one NIC kind"),
         (["cluster=single_node"], TORCHRUN_ENV, "world size 3 from the launcher does not match cluster 'single_node'"),
         (["resume=/a/step=6.ckpt"], {}, "resume=/a/step=6.ckpt: mismatched input '=' expecting <EOF> (quote a value"),
+        (["strategy.memory_limit_gb=0.001"], {}, "fits strategy.memory_limit_gb=0.001 per device; use more stages"),
+        (["strategy.layout=megatron"], {}, "HolmesStrategy(layout='megatron'): use one of holmes, nic_unaware"),
     ],
-    ids=["unknown NIC kind", "wrong type", "stages", "micro-batches", "schedule", "dp", "world size", "unquoted path"],
+    ids=[
+        "unknown NIC kind",
+        "wrong type",
+        "stages",
+        "micro-batches",
+        "schedule",
+        "dp",
+        "world size",
+        "unquoted path",
+        "memory limit",
+        "layout",
+    ],
 )
 def test_train_py_refuses_bad_settings_before_any_rank_starts(
     overrides: list[str], env: dict[str, str], message: str, tmp_path: Path, train_module, monkeypatch, capsys

@@ -10,6 +10,7 @@ from holmes_lightning.bench.report import draw, markdown, regime, targets, write
 from holmes_lightning.bench.runner import summarize
 from holmes_lightning.bench.variants import Hardware, plan_variants
 from holmes_lightning.config import ConfigError, ModelConfig
+from holmes_lightning.planner import PlanOptions
 from holmes_lightning.topology import Topology
 
 
@@ -18,7 +19,7 @@ def test_every_variant_is_planned_and_reported(tmp_path):
     profile = profile_gpt(settings.model)
     calibration = Calibration(10.0, 4e-3, 5e-3, 0.5, 5e-3, 1e-3, 5.0, 1e-4, "test")
     hardware = Hardware.derive(Topology.from_config("two_cluster_mixed"), settings, calibration)
-    variants = plan_variants(hardware, profile, settings)
+    variants = plan_variants(hardware, profile, settings, PlanOptions(pp=2, dp_overlap=0.0))
     assert [v.name for v in variants] == list(VARIANTS)
     plans = {v.name: v.plan for v in variants}
     assert {p.global_batch for p in plans.values()} == {8}

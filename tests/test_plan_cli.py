@@ -52,7 +52,7 @@ def test_cli_passes_strategy_and_plan_settings_through():
         "strategy.pp=2",
         "strategy.partition=[2,4]",
         "data.global_batch=8",
-        "plan.dp_overlap=0",
+        "strategy.dp_overlap=0",
     )
     holmes = run(config)["holmes"]
     assert (holmes.schedule, holmes.pp, holmes.layers_per_stage()) == ("GPipe", 2, [2, 4])

@@ -221,8 +221,8 @@ def test_explicit_degrees_partition_and_interleaving():
         ("ib_only", BatchSettings(16), PlanOptions(schedule="ZBV"), ["strategy.schedule='ZBV'", "GPipe, 1F1B"]),
         ("ib_only", BatchSettings(16), PlanOptions(partition=[1, 2]), ["strategy.partition=[1, 2]", "sum to"]),
         ("ib_only", BatchSettings(16), PlanOptions(pp=4, partition=[6, 6]), ["lists 2 stages", "pp=4"]),
-        ("ib_only", BatchSettings(16), PlanOptions(efficiency=1.5), ["plan.efficiency=1.5"]),
-        ("ib_only", BatchSettings(64), PlanOptions(memory_limit_gb=1.0), ["plan.memory_limit_gb=1.0"]),
+        ("ib_only", BatchSettings(16), PlanOptions(efficiency=1.5), ["strategy.efficiency=1.5"]),
+        ("ib_only", BatchSettings(64), PlanOptions(memory_limit_gb=1.0), ["strategy.memory_limit_gb=1.0"]),
     ],
 )
 def test_infeasible_requests_name_the_setting_and_a_fix(cluster, batch, options, expected):

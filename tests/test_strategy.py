@@ -6,6 +6,7 @@ the address-bound gloo backend (as the lab binds them to each node's addresses).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +18,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from holmes_lightning import HolmesStrategy
-from holmes_lightning.planner import Plan, StagePlan, StepPrediction
+from holmes_lightning.planner import Plan, PlanOptions, Sharding, StagePlan, StepPrediction
 from holmes_lightning.runtime.pipeline import ContractError
 from holmes_lightning.topology import LinkKind, NICKind
+from holmes_lightning.validate import collective_backend
 
 SEED, GLOBAL_BATCH, STEPS_PER_EPOCH = 3, 16, 3
 ONE_RANK = {"name": "one_rank", "clusters": [{"name": "local", "nodes": 1, "nic": {"kind": "ethernet"}}]}
@@ -220,6 +222,19 @@ def test_batches_must_be_inputs_and_targets() -> None:
 def test_bad_arguments_fail_at_construction(arguments: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         HolmesStrategy(cluster="two_cluster_mixed", **arguments)
+
+
+def test_plan_options_and_shorthands_reach_the_planner_as_one_object() -> None:
+    options = PlanOptions(memory_limit_gb=80.0, chunks_per_stage=3, schedule="GPipe", pp=4)
+    strategy = HolmesStrategy(cluster="two_cluster_mixed", options=options, pp=2, sharding="none")
+    assert strategy.options == replace(options, pp=2, sharding=Sharding.none)
+    assert options.pp == 4, "the caller's options are not changed"
+    with pytest.raises(ValueError, match=r"HolmesStrategy\(schedule='ZB'\)"):
+        HolmesStrategy(options=PlanOptions(schedule="ZB"))
+
+
+def test_train_py_plans_for_the_backend_its_ranks_use() -> None:
+    assert [collective_backend(name) for name in ("cpu", "gpu", "cuda")] == ["gloo", "nccl", "nccl"]
 
 
 def test_strategy_name_is_registered() -> None:

@@ -2,8 +2,8 @@
 
 `bench=short` (default, README) takes about 3 minutes on 2 idle cores, `bench=full` (wider model, larger batch,
 8 measured steps) about 8; most of it is process start-up and the flat baselines' slow steps. Needs root for the
-lab's namespaces (without, links are not shaped and it says so). Holmes runs at pp=2 (`bench.pp`), the degrees the
-paper compares at; `bench.pp=null` lets the planner choose (for these small models it picks pp=4, no DP at all).
+lab's namespaces (without, links are not shaped and it says so). Holmes runs at pp=2 (`strategy.pp`), the degrees the
+paper compares at; `strategy.pp=null` lets the planner choose (for these small models it picks pp=4, no DP at all).
 
 Method: the same GPT, byte corpus, global batch and steps for every variant, each started in the lab on its own
 emulated network: Holmes on the hybrid cluster, on its homogeneous limit (`Topology.homogeneous()`) and with the
@@ -39,7 +39,7 @@ def run(config: BenchJobConfig, out_dir: Path) -> Path:
     """Run the benchmark and write its outputs; returns the Markdown file."""
     settings = config.bench
     hybrid = Topology.from_config(config.cluster)
-    results, context = run_bench(hybrid, settings, out_dir)
+    results, context = run_bench(hybrid, settings, config.strategy, out_dir)
     model = settings.model
     context.update(
         bench=settings.name,

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from hydra.core.config_store import ConfigStore
 
 from holmes_lightning.config import ConfigError, ModelConfig
-from holmes_lightning.planner import Sharding
+from holmes_lightning.planner import PlanOptions
 from holmes_lightning.topology.spec import ClusterSpec
 
 VARIANTS = ("holmes_hybrid", "holmes_homogeneous", "fsdp", "ddp", "nic_unaware", "holmes_unequal", "uniform_unequal")
@@ -18,10 +18,8 @@ class BenchSettings:
     """One benchmark size: the model, batch and steps every variant runs, and how the cost model is calibrated.
 
     `slow_cluster` runs its NIC at `slow_nic_gbps` in the unequal-clusters topology (auto vs uniform partition).
-    `pp` fixes the pipeline degree of the Holmes runs (the paper compares at fixed degrees; None: the planner picks).
-    `holmes_sharding` is HolmesStrategy's sharding inside each stage (auto: the planner's pick for gloo, where
-    replicas move 2/3 of FSDP's bytes). `bandwidth_scale` None: chosen from this CPU as `lab.scale` does, once, for
-    every variant. `dp_overlap` is the planner's fraction of DP sync hidden under backward.
+    `bandwidth_scale` None: chosen from this CPU as `lab.scale` does, once, for every variant. What Holmes plans
+    (degrees, schedule, sharding, `dp_overlap`) is the job config's `strategy` node, as for train.py.
     """
 
     name: str = "short"
@@ -29,14 +27,10 @@ class BenchSettings:
     global_batch: int = 8
     warmup_steps: int = 2
     measured_steps: int = 5
-    schedule: str = "1F1B"
-    pp: int | None = 2
-    holmes_sharding: Sharding = Sharding.auto
     variants: list[str] = field(default_factory=lambda: list(VARIANTS))
     bandwidth_scale: float | None = None
     slow_cluster: str = "B"
     slow_nic_gbps: float = 50.0
-    dp_overlap: float = 0.0
     calibration_repeats: int = 5
     corpus_bytes: int = 400_000
     trace: bool = False
@@ -52,14 +46,10 @@ class BenchSettings:
             raise ConfigError(
                 f"bench.warmup_steps={self.warmup_steps}, bench.measured_steps={self.measured_steps}: both must be >= 1"
             )
-        if self.pp is not None and self.pp < 1:
-            raise ConfigError(f"bench.pp={self.pp!r}: must be >= 1, or null to let the planner choose")
         if self.bandwidth_scale is not None and not self.bandwidth_scale > 0:
             raise ConfigError(f"bench.bandwidth_scale={self.bandwidth_scale!r}: must be > 0, or null to choose one")
         if not self.slow_nic_gbps > 0:
             raise ConfigError(f"bench.slow_nic_gbps={self.slow_nic_gbps!r}: must be > 0, e.g. 50")
-        if not 0 <= self.dp_overlap <= 1:
-            raise ConfigError(f"bench.dp_overlap={self.dp_overlap!r}: must be in [0, 1]")
         if self.calibration_repeats < 1:
             raise ConfigError(f"bench.calibration_repeats={self.calibration_repeats!r}: must be >= 1")
 
@@ -70,10 +60,11 @@ class BenchSettings:
 
 @dataclass
 class BenchJobConfig:
-    """The hybrid cluster every variant derives from, the benchmark size, and where results go."""
+    """The hybrid cluster every variant derives from, the benchmark size, what Holmes plans, and where results go."""
 
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
     bench: BenchSettings = field(default_factory=BenchSettings)
+    strategy: PlanOptions = field(default_factory=PlanOptions)
     output_dir: str = "outputs/bench"
 
 

@@ -13,7 +13,7 @@ from holmes_lightning.bench.calibrate import Calibration, profile_gpt
 from holmes_lightning.bench.config import BenchSettings
 from holmes_lightning.bench.variants import Hardware, Variant, plan_variants
 from holmes_lightning.lab import run_in_lab
-from holmes_lightning.planner import ModelProfile
+from holmes_lightning.planner import ModelProfile, PlanOptions
 from holmes_lightning.topology import Topology
 
 
@@ -86,7 +86,9 @@ def summarize(
     )
 
 
-def run_bench(hybrid: Topology, settings: BenchSettings, out_dir: Path) -> tuple[list[RunResult], dict]:
+def run_bench(
+    hybrid: Topology, settings: BenchSettings, requested: PlanOptions, out_dir: Path
+) -> tuple[list[RunResult], dict]:
     """Calibrate, plan every variant, run each in the lab; returns the results and the run's context for the report."""
     profile = profile_gpt(settings.model)
     calibration = Calibration.measure(
@@ -94,7 +96,7 @@ def run_bench(hybrid: Topology, settings: BenchSettings, out_dir: Path) -> tuple
     )
     print(f"bench: calibrated {calibration.describe()}", flush=True)
     hardware = Hardware.derive(hybrid, settings, calibration)
-    variants = plan_variants(hardware, profile, settings)
+    variants = plan_variants(hardware, profile, settings, requested)
     results = []
     for index, variant in enumerate(variants, 1):
         print(f"bench [{index}/{len(variants)}] {variant.name}: {variant.label} on {variant.topology.name}", flush=True)

@@ -53,18 +53,17 @@ class Hardware:
         return lab_topology(topology, self.calibration.bandwidth_scale, self.calibration.device_tflops)
 
 
-def plan_variants(hardware: Hardware, profile: ModelProfile, settings: BenchSettings) -> list[Variant]:
+def plan_variants(
+    hardware: Hardware, profile: ModelProfile, settings: BenchSettings, requested: PlanOptions
+) -> list[Variant]:
     """Every requested variant with the plan the planner makes for it on the calibrated lab hardware."""
     batch = BatchSettings(settings.global_batch)
-    options = PlanOptions(
-        sharding=settings.holmes_sharding,
+    options = replace(
+        requested,
         backend="gloo",
-        schedule=settings.schedule,
-        pp=settings.pp,
         efficiency=1.0,
         layer_overhead_s=hardware.calibration.layer_overhead_s,
         optimizer_s_per_gb=hardware.calibration.optimizer_s_per_gb,
-        dp_overlap=settings.dp_overlap,
     )
     hybrid = compare(hardware.lab(hardware.hybrid), profile, batch, options)
     flat_fsdp = plan(

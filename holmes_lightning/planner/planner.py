@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from holmes_lightning.planner.candidate import GB, Candidate
 from holmes_lightning.planner.cost import CostModel
@@ -31,9 +32,10 @@ class BatchSettings:
     microbatches: int | None = None
 
 
-@dataclass(frozen=True)
+@dataclass
 class PlanOptions:
-    """What to plan. Field names follow `StrategyConfig` (strategy.*); the cost-model knobs are plan.* in the CLI.
+    """What to plan: the one set of plan settings HolmesStrategy (`options=`), train.py, the plan CLI and the bench
+    take (in configs, the `strategy` node: `strategy.pp=2`, `strategy.memory_limit_gb=80`).
 
     partition: "auto" (minimise the predicted step), "uniform", or layers per stage (per virtual stage also
     accepted for Interleaved1F1B). pp / dp: None = choose. layout: "holmes", "nic_unaware" (Megatron-LM rank order)
@@ -48,7 +50,7 @@ class PlanOptions:
     """
 
     schedule: str = "1F1B"
-    partition: str | Sequence[int] = "auto"
+    partition: Any = "auto"  # "auto", "uniform" or a list of layer counts (Hydra takes no union of str and list)
     pp: int | None = None
     dp: int | None = None
     layout: str = "holmes"
@@ -141,20 +143,20 @@ def _check_request(profile: ModelProfile, batch: BatchSettings, options: PlanOpt
         (options.schedule in SCHEDULES, "strategy.schedule", options.schedule, f"use one of {', '.join(SCHEDULES)}"),
         (options.layout in LAYOUTS, "layout", options.layout, f"use one of {', '.join(LAYOUTS)}"),
         (options.sharding in SHARDINGS, "strategy.sharding", options.sharding, f"use one of {', '.join(SHARDINGS)}"),
-        (options.backend in BACKENDS, "plan.backend", options.backend, f"use one of {', '.join(BACKENDS)}"),
+        (options.backend in BACKENDS, "strategy.backend", options.backend, f"use one of {', '.join(BACKENDS)}"),
         (batch.global_batch > 0, "data.global_batch", batch.global_batch, "use a positive number of samples"),
         (batch.microbatches is None or batch.microbatches > 0, "strategy.microbatches", batch.microbatches, "use > 0"),
         (options.pp is None or options.pp > 0, "strategy.pp", options.pp, "use a positive stage count or null"),
         (options.dp is None or options.dp > 0, "strategy.dp", options.dp, "use a positive DP size or null"),
-        (options.chunks_per_stage >= 1, "plan.chunks_per_stage", options.chunks_per_stage, "use >= 2 to interleave"),
-        (0 < options.efficiency <= 1, "plan.efficiency", options.efficiency, "use a fraction of peak in (0, 1]"),
-        (0 <= options.dp_overlap <= 1, "plan.dp_overlap", options.dp_overlap, "use a fraction in [0, 1]"),
-        (options.layer_overhead_s >= 0, "plan.layer_overhead_s", options.layer_overhead_s, "use seconds >= 0"),
-        (options.optimizer_s_per_gb >= 0, "plan.optimizer_s_per_gb", options.optimizer_s_per_gb, "use seconds >= 0"),
-        (options.state_multiplier >= 1, "plan.state_multiplier", options.state_multiplier, "use >= 1 (4: fp32 Adam)"),
+        (options.chunks_per_stage >= 1, "strategy.chunks_per_stage", options.chunks_per_stage, "use >= 2"),
+        (0 < options.efficiency <= 1, "strategy.efficiency", options.efficiency, "use a fraction of peak in (0, 1]"),
+        (0 <= options.dp_overlap <= 1, "strategy.dp_overlap", options.dp_overlap, "use a fraction in [0, 1]"),
+        (options.layer_overhead_s >= 0, "strategy.layer_overhead_s", options.layer_overhead_s, "use seconds >= 0"),
+        (options.optimizer_s_per_gb >= 0, "strategy.optimizer_s_per_gb", options.optimizer_s_per_gb, "use s >= 0"),
+        (options.state_multiplier >= 1, "strategy.state_multiplier", options.state_multiplier, "use >= 1 (4: Adam)"),
         (
             options.memory_limit_gb is None or options.memory_limit_gb > 0,
-            "plan.memory_limit_gb",
+            "strategy.memory_limit_gb",
             options.memory_limit_gb,
             "use the device memory in GB, or null",
         ),
@@ -211,7 +213,7 @@ def _microbatch_counts(
     if pp * chunks > profile.num_layers:
         problems.append(
             f"pp={pp} stages x {chunks} chunk(s) need {pp * chunks} layers but {profile.name!r} has "
-            f"{profile.num_layers}; use fewer stages (strategy.pp) or fewer chunks (plan.chunks_per_stage)"
+            f"{profile.num_layers}; use fewer stages (strategy.pp) or fewer chunks (strategy.chunks_per_stage)"
         )
         return []
     if not _partition_fits(options, pp):
@@ -266,7 +268,7 @@ def _plan_layout(
     if counts is None:
         problems.append(
             f"no partition of {profile.name!r} over pp={layout.pp} with {microbatches} micro-batches fits "
-            f"plan.memory_limit_gb={options.memory_limit_gb} per device; {fix}"
+            f"strategy.memory_limit_gb={options.memory_limit_gb} per device; {fix}"
         )
         return None
     stages = candidate.stage_plans(counts)
@@ -276,7 +278,7 @@ def _plan_layout(
     if limit is not None and worst.memory_gb * GB > limit:
         problems.append(
             f"stage {worst.index} (ranks {list(worst.ranks)}) needs about {worst.memory_gb:.1f} GB per device, above "
-            f"plan.memory_limit_gb={options.memory_limit_gb}; {fix}"
+            f"strategy.memory_limit_gb={options.memory_limit_gb}; {fix}"
         )
         return None
     return Plan(

@@ -50,13 +50,15 @@ class HolmesStrategy(ModelParallelStrategy):
     Arguments:
         cluster: a shipped config name, a YAML path, a dict, a ClusterSpec or a Topology; None: the launched nodes,
             NIC kinds detected.
-        schedule, microbatches, partition, pp, dp, layout: what to plan (see `holmes_lightning.planner.PlanOptions`);
-            None lets the planner choose. layout="nic_unaware" is Megatron's rank order with IB and RoCE on TCP.
-        sharding: "fsdp" (FSDP2 inside each stage), "none" (full replicas, gradients all-reduced) or "auto" (the
-            planner's pick for this backend: FSDP unless replicas are faster, as on gloo, whose reduce-scatter costs
-            a whole all-reduce). A given plan= brings its own.
         global_batch: samples per optimizer step over all DP replicas; the train DataLoader then gives
-            `replica_batch_size` samples per step.
+            `replica_batch_size` samples per step. microbatches: per step and replica; None lets the planner choose.
+        options: every plan setting (`holmes_lightning.planner.PlanOptions`: degrees, schedule, partition, layout,
+            sharding, cost-model knobs such as `memory_limit_gb`); the same object train.py and the plan CLI take.
+        schedule, partition, pp, dp, sharding, layout: shorthands that override the same fields of `options`.
+            layout="nic_unaware" is Megatron's rank order with IB and RoCE on TCP. sharding: "fsdp" (FSDP2 inside
+            each stage), "none" (full replicas, gradients all-reduced) or "auto" (the planner's pick for this
+            backend: FSDP unless replicas are faster, as on gloo, whose reduce-scatter costs a whole all-reduce).
+            A given plan= brings its own.
         plan: a Plan (or its JSON file) to run instead of planning.
         profile: the model's cost profile; default: `pipeline_layers()` measured on `example_input_array`.
         timeout: seconds (or a timedelta) a collective may wait before the job fails.
@@ -67,26 +69,29 @@ class HolmesStrategy(ModelParallelStrategy):
     def __init__(
         self,
         cluster: str | Path | dict | ClusterSpec | Topology | None = None,
-        schedule: str = "1F1B",
+        *,
+        global_batch: int | None = None,
         microbatches: int | None = None,
-        partition: str | Sequence[int] = "auto",
+        options: PlanOptions | None = None,
+        schedule: str | None = None,
+        partition: str | Sequence[int] | None = None,
         pp: int | None = None,
         dp: int | None = None,
-        sharding: Sharding | str = Sharding.auto,
-        global_batch: int | None = None,
-        layout: str = "holmes",
+        sharding: Sharding | str | None = None,
+        layout: str | None = None,
         plan: Plan | str | Path | None = None,
         profile: ModelProfile | None = None,
         timeout: float | timedelta = default_pg_timeout,
         process_group_backend: str | None = None,
     ) -> None:
-        _check_arguments(schedule, sharding, layout, pp=pp, dp=dp, microbatches=microbatches, global_batch=global_batch)
+        given = {"schedule": schedule, "partition": partition, "pp": pp, "dp": dp, "sharding": sharding}
+        given["layout"] = layout
+        self.options = replace(options or PlanOptions(), **{k: v for k, v in given.items() if v is not None})
+        _check_arguments(self.options, microbatches=microbatches, global_batch=global_batch)
+        self.options.sharding = Sharding(self.options.sharding)
         seconds = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
         super().__init__(process_group_backend=process_group_backend, timeout=seconds)
         self.cluster = cluster
-        self.options = PlanOptions(
-            schedule=schedule, partition=partition, pp=pp, dp=dp, layout=layout, sharding=Sharding(sharding)
-        )
         self.batch = None if global_batch is None else BatchSettings(global_batch, microbatches)
         self.profile = profile
         self.plan: Plan | None = (
@@ -403,14 +408,15 @@ def _swap_grads(params: list[nn.Parameter], grads: list[torch.Tensor | None]) ->
     return held
 
 
-def _check_arguments(schedule: str, sharding: str, layout: str, **counts: int | None) -> None:
+def _check_arguments(options: PlanOptions, **counts: int | None) -> None:
     """What HolmesStrategy can reject before any process starts."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"HolmesStrategy(schedule={schedule!r}): use one of {', '.join(SCHEDULES)}")
-    if sharding not in SHARDINGS:
-        raise ValueError(f"HolmesStrategy(sharding={sharding!r}): use one of {', '.join(SHARDINGS)}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"HolmesStrategy(layout={layout!r}): use one of {', '.join(LAYOUTS)}")
+    if options.schedule not in SCHEDULES:
+        raise ValueError(f"HolmesStrategy(schedule={options.schedule!r}): use one of {', '.join(SCHEDULES)}")
+    if options.sharding not in SHARDINGS:
+        raise ValueError(f"HolmesStrategy(sharding={options.sharding!r}): use one of {', '.join(SHARDINGS)}")
+    if options.layout not in LAYOUTS:
+        raise ValueError(f"HolmesStrategy(layout={options.layout!r}): use one of {', '.join(LAYOUTS)}")
+    counts.update(pp=options.pp, dp=options.dp)
     for name, value in counts.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(
