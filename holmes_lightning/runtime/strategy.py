@@ -366,7 +366,7 @@ class HolmesStrategy(ModelParallelStrategy):
         if storage_options is not None:
             raise TypeError("HolmesStrategy.save_checkpoint(storage_options=...) is not supported: it writes with DCP")
         path = Path(self.broadcast(filepath))
-        checkpoint.save(checkpoint_, path, self._require_plan(), self.global_rank, self.is_global_zero, self.barrier)
+        checkpoint.save(checkpoint_, path, plan=self._require_plan(), rank=self.global_rank)
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         assert self.lightning_module is not None
@@ -374,7 +374,7 @@ class HolmesStrategy(ModelParallelStrategy):
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         strict = self.lightning_module.strict_loading
         state, self._resumed_rng = checkpoint.load(
-            path, self.lightning_module, optimizers, self._require_plan(), self.global_rank, strict
+            path, self.lightning_module, optimizers, plan=self._require_plan(), rank=self.global_rank, strict=strict
         )
         return state
 
