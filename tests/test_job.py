@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from holmes_lightning import job
-from holmes_lightning.config import register_configs
+from holmes_lightning.config import StrategyConfig, register_configs
 from holmes_lightning.topology import config_dir
 
 NOW = datetime(2025, 1, 2, 3, 4, 5)
@@ -44,9 +44,10 @@ def test_the_train_config_puts_every_rank_of_a_slurm_job_in_one_directory(monkey
 
 
 def test_the_default_timeout_is_short_on_this_machine_and_torchs_under_other_launchers() -> None:
-    assert job.collective_timeout_s(None, {job.LAUNCHED_ENV: "1"}) == 120
-    assert job.collective_timeout_s(None, {"TORCHELASTIC_RUN_ID": "x"}) == 1800
-    assert job.collective_timeout_s(None, {"SLURM_JOB_ID": "1"}) == 1800
+    default = StrategyConfig().timeout_s  # what train.py passes unless strategy.timeout_s is set
+    assert job.collective_timeout_s(default, {job.LAUNCHED_ENV: "1"}) == 120
+    assert job.collective_timeout_s(default, {"TORCHELASTIC_RUN_ID": "x"}) == 1800
+    assert job.collective_timeout_s(default, {"SLURM_JOB_ID": "1"}) == 1800
     assert job.collective_timeout_s(45, {"SLURM_JOB_ID": "1"}) == 45
 
 
