@@ -17,11 +17,11 @@ import ipaddress
 import os
 import socket
 import struct
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from holmes_lightning.topology import LinkKind
+from holmes_lightning.topology import ClusterGroupSpec, ClusterSpec, LinkKind, NICKind
 
 SOCKET_NET = "Socket"
 SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
@@ -76,8 +76,54 @@ def process_settings(
     return ProcessSettings(values, overruled)
 
 
-def apply(settings: ProcessSettings, environ: MutableMapping[str, str] = os.environ) -> None:
-    environ.update(settings.values)
+def world_link(spec: ClusterSpec) -> LinkKind:
+    """The slowest link of the default group (every rank), from the config alone: it is built before detection."""
+    if len(_node_clusters(spec)) == 1:
+        return LinkKind.INTRA_NODE
+    kinds = {group.nic.kind for group in spec.clusters}
+    one_fabric = len(spec.clusters) == 1 and None not in kinds and NICKind(spec.clusters[0].nic.kind).is_rdma
+    return LinkKind.RDMA if one_fabric else LinkKind.TCP
+
+
+def _node_clusters(spec: ClusterSpec) -> list[ClusterGroupSpec]:
+    """The cluster of each node, by node rank."""
+    return [group for group in spec.clusters for _ in range(group.nodes)]
+
+
+def _cluster_of_node(spec: ClusterSpec, node_rank: int) -> ClusterGroupSpec | None:
+    clusters = _node_clusters(spec)
+    return clusters[node_rank] if node_rank < len(clusters) else None  # a wrong node count is reported at the exchange
+
+
+def node_settings(
+    spec: ClusterSpec, node_rank: int, environ: Mapping[str, str], detected_interface: str | None
+) -> ProcessSettings:
+    """This node's NCCL environment: its cluster's `nic.hca` / `nic.gid_index`, and for jobs of several nodes the
+    socket interface `nic.socket_ifname`, else `detected_interface` (the one holding the node's address)."""
+    group = _cluster_of_node(spec, node_rank)
+    if group is None:
+        return ProcessSettings()
+    several_nodes = len(_node_clusters(spec)) > 1
+    interface = (group.nic.socket_ifname or detected_interface) if several_nodes else None
+    return process_settings(environ, interface, group.nic.hca, group.nic.gid_index)
+
+
+def set_up_process(
+    spec: ClusterSpec, node_rank: int, node_address: str | None, rendezvous: tuple[str, int]
+) -> ProcessSettings:
+    """Decide and set this process's NCCL environment; call it before the process's first NCCL communicator.
+
+    The socket interface is detected only where needed: the interface holding `node_address`, or else the address
+    this node reaches the rendezvous (`MASTER_ADDR`) from.
+    """
+    group = _cluster_of_node(spec, node_rank)
+    detect = group is not None and not group.nic.socket_ifname and "NCCL_SOCKET_IFNAME" not in os.environ
+    detected = None
+    if detect and len(_node_clusters(spec)) > 1:
+        detected = interface_holding(node_address or address_towards(*rendezvous), local_interfaces())
+    settings = node_settings(spec, node_rank, os.environ, detected)
+    os.environ.update(settings.values)
+    return settings
 
 
 def interface_holding(address: str, interfaces: Mapping[str, Sequence[str]]) -> str | None:
