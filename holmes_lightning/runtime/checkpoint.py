@@ -78,7 +78,9 @@ def save(checkpoint: dict[str, Any], path: Path, *, plan: Plan, rank: int) -> No
     metadata = dcp.save(state, checkpoint_id=staging)  # returns once every rank's shards and `.metadata` are written
     written = [*_shard_files(metadata), DCP_METADATA_FILE, *(rng_file(r) for r in range(plan.world_size))]
     digests = {
-        name: digest for share in _gather(_digests(staging, written, _world())) for name, digest in share.items()
+        name: digest
+        for share in _gather(_digests(staging, written, (rank, plan.world_size)))
+        for name, digest in share.items()
     }
     if rank == 0:
         torch.save(checkpoint, staging / _METADATA_FILENAME)
@@ -96,12 +98,8 @@ def save(checkpoint: dict[str, Any], path: Path, *, plan: Plan, rank: int) -> No
     _barrier()
 
 
-def _world() -> tuple[int, int]:
-    """(rank, world size), or (0, 1) without a process group (DCP saves and loads on one process then too)."""
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-
-
 def _barrier() -> None:
+    """Wait for every rank (nothing to wait for without a process group: DCP then saves and loads on one process)."""
     if dist.is_initialized():
         dist.barrier()
 
@@ -119,7 +117,7 @@ def _shard_files(metadata: Any) -> list[str]:
     return sorted({item.relative_path for item in metadata.storage_data.values()})
 
 
-def file_digest(file: Path) -> str:
+def _file_digest(file: Path) -> str:
     digest = hashlib.new(DIGEST)
     with file.open("rb") as stream:
         while chunk := stream.read(1 << 22):
@@ -130,7 +128,7 @@ def file_digest(file: Path) -> str:
 def _digests(directory: Path, names: Sequence[str], share: tuple[int, int] = (0, 1)) -> dict[str, str]:
     """The digests of share (rank, world size) of `names`: every rank reads every world-size-th file, so once each."""
     rank, world_size = share
-    return {name: file_digest(directory / name) for name in names[rank::world_size]}
+    return {name: _file_digest(directory / name) for name in names[rank::world_size]}
 
 
 def _damaged(directory: Path, digests: Mapping[str, str], share: tuple[int, int] = (0, 1)) -> list[str]:
@@ -138,7 +136,7 @@ def _damaged(directory: Path, digests: Mapping[str, str], share: tuple[int, int]
     rank, world_size = share
     names = sorted(digests)[rank::world_size]
     return [
-        name for name in names if not (directory / name).is_file() or file_digest(directory / name) != digests[name]
+        name for name in names if not (directory / name).is_file() or _file_digest(directory / name) != digests[name]
     ]
 
 
@@ -183,9 +181,9 @@ def latest(directory: str | Path) -> Path | None:
 def check_shared(directory: Path) -> None:
     """Every rank calls this at start: each writes a token into `directory`, which rank 0 must see, and every rank
     must list the same checkpoints there (else ranks would resume from different ones, or hang)."""
-    rank, world_size = _world()
-    if world_size == 1:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     names = [uuid.uuid4().hex if rank == 0 else None]
     dist.broadcast_object_list(names, src=0)
     directory.mkdir(parents=True, exist_ok=True)
@@ -322,7 +320,8 @@ def load(
             f"HolmesStrategy"
         )
     digests = json.loads((path / COMPLETE_FILE).read_text()).get(DIGEST, {})
-    _refuse_damaged(path, sorted(name for share in _gather(_damaged(path, digests, _world())) for name in share))
+    share = (rank, plan.world_size)
+    _refuse_damaged(path, sorted(name for damaged in _gather(_damaged(path, digests, share)) for name in damaged))
     saved = Plan.from_json((path / PLAN_FILE).read_text())
     check_resumable(saved, plan, path)
     state: dict[str, Any] = {"state_dict": model_state(module)}
