@@ -19,7 +19,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from holmes_lightning import validate
+from holmes_lightning import job, validate
 from holmes_lightning.config import ConfigError, TrainConfig, register_configs
 from holmes_lightning.launch import LAUNCHED_ENV, launch
 from holmes_lightning.planner import PlanError
@@ -32,6 +32,7 @@ from holmes_lightning.topology import Topology, TopologyError, config_dir
 from recipes import GPT, ByteCorpusDataModule, RunSummary, throughput_monitor
 
 register_configs()
+job.register_run_name_resolver()  # every rank of a torchrun/SLURM job names the run directory alike
 
 LOGGERS = ("csv", "wandb")
 KNOWN_ERRORS = (ConfigError, TopologyError, PlanError, CheckpointError, ContractError)
@@ -46,9 +47,11 @@ def main(cfg: DictConfig) -> None:
         config: TrainConfig = OmegaConf.to_object(cfg)
         topology = Topology.from_config(config.cluster)
         check_choices(config)
-        strategy = make_strategy(config, topology)
+        timeout_s = job.collective_timeout_s(config.strategy.timeout_s, os.environ)
+        strategy = make_strategy(config, topology, timeout_s)
         plan = validate.check_plan(config, topology, strategy.batch, strategy.options)
-        config.resume = validate.resume_path(config, plan)
+        # the launcher reads every file once; ranks leave the digests to the load, where each reads its share
+        config.resume = validate.resume_path(config, plan, checksums=not is_rank_process())
         if is_rank_process():
             topology.check_world_size(default_environment().world_size())
     except (ValueError, OmegaConfBaseException) as err:  # config, topology, plan, checkpoint and strategy errors
@@ -56,6 +59,7 @@ def main(cfg: DictConfig) -> None:
     run_dir = HydraConfig.get().runtime.output_dir
     if not is_rank_process():
         sys.exit(start_ranks(config, topology, run_dir))
+    warn_once_about_timeout(config, topology, timeout_s)
     try:
         train(config, topology, strategy, run_dir)
     except KNOWN_ERRORS as err:  # found once processes joined: raised alike on every rank that sees it
@@ -101,7 +105,7 @@ def start_ranks(config: TrainConfig, topology: Topology, run_dir: str) -> int:
     return launch(command, topology)
 
 
-def make_strategy(config: TrainConfig, topology: Topology) -> HolmesStrategy:
+def make_strategy(config: TrainConfig, topology: Topology, timeout_s: float) -> HolmesStrategy:
     """HolmesStrategy from the config's strategy group (built in the launcher too, so bad arguments stop it early)."""
     settings = config.strategy
     return HolmesStrategy(
@@ -109,8 +113,18 @@ def make_strategy(config: TrainConfig, topology: Topology) -> HolmesStrategy:
         global_batch=config.data.global_batch,
         microbatches=settings.microbatches,
         options=settings.plan_options(),
-        timeout=settings.timeout_s,
+        timeout=timeout_s,
     )
+
+
+def warn_once_about_timeout(config: TrainConfig, topology: Topology, timeout_s: float) -> None:
+    """On rank 0 of a job that torchrun or SLURM started: a collective timeout too short for NCCL on many nodes."""
+    if LAUNCHED_ENV in os.environ or default_environment().global_rank() != 0:
+        return  # our launcher runs every rank on this one machine
+    backend = validate.collective_backend(config.trainer.accelerator)
+    warning = job.timeout_warning(timeout_s, backend, len(topology.nodes))
+    if warning is not None:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
 
 
 def train(config: TrainConfig, topology: Topology, strategy: HolmesStrategy, run_dir: str) -> None:
@@ -153,7 +167,12 @@ def train(config: TrainConfig, topology: Topology, strategy: HolmesStrategy, run
         logger=make_logger(config, run_dir),
         callbacks=[
             throughput_monitor(model, config.data.global_batch, topology.world_size, window),
-            HolmesCheckpoint(config.checkpoint.dir, config.checkpoint.every_n_steps, config.checkpoint.keep),
+            HolmesCheckpoint(
+                config.checkpoint.dir,
+                every_n_steps=config.checkpoint.every_n_steps,
+                keep=config.checkpoint.keep,
+                grace_s=config.checkpoint.grace_s,
+            ),
             RunSummary(),
         ],
         default_root_dir=run_dir,

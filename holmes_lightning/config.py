@@ -65,7 +65,11 @@ class StrategyConfig(PlanOptions):
     """HolmesStrategy's settings: what to plan (`PlanOptions`), the micro-batch count and the collective timeout."""
 
     microbatches: int | None = None
-    timeout_s: float = 120.0
+    timeout_s: float | None = None  # null: 120 s for ranks train.py starts on this machine, 30 min under torchrun/SLURM
+
+    def __post_init__(self) -> None:
+        timeout = self.timeout_s
+        _require(timeout is None or timeout > 0, "strategy.timeout_s", timeout, "must be > 0 seconds, or null")
 
     def plan_options(self) -> PlanOptions:
         """The plan settings alone, without the runtime's."""
@@ -115,14 +119,18 @@ class TrainerConfig:
 class CheckpointConfig:
     """Checkpoints `step_00000N.ckpt` in `dir` every `every_n_steps` steps (null: only on SIGTERM), the `keep` newest.
 
-    `dir` is shared by every run with the same output_dir, so `resume=auto` finds the newest complete one.
+    `dir` is shared by every run with the same output_dir, so `resume=auto` finds the newest complete one; on several
+    nodes it must be a directory every node mounts (checked at start).
     """
 
     dir: str = "${output_dir}/checkpoints"
     every_n_steps: int | None = 10
     keep: int = 3
+    grace_s: float | None = None  # seconds from SIGTERM to the kill, where SLURM's end time does not tell
 
     def __post_init__(self) -> None:
+        grace = self.grace_s
+        _require(grace is None or grace > 0, "checkpoint.grace_s", grace, "must be > 0 seconds, or null")
         steps = self.every_n_steps
         _require(steps is None or steps > 0, "checkpoint.every_n_steps", steps, "must be > 0, or null (SIGTERM only)")
         _require(self.keep >= 1, "checkpoint.keep", self.keep, "must be >= 1 (the newest is the one to resume)")

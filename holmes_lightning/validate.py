@@ -34,10 +34,12 @@ def collective_backend(accelerator: str) -> str:
     return "gloo" if accelerator == "cpu" else "nccl"
 
 
-def resume_path(config: TrainConfig, plan: Plan) -> str | None:
+def resume_path(config: TrainConfig, plan: Plan, checksums: bool = True) -> str | None:
     """`resume`: None, a checkpoint directory, or "auto" (the newest complete one in `checkpoint.dir`, if any).
 
-    The checkpoint must be complete, readable and from this model; `checkpoint.check` says what is wrong otherwise.
+    The checkpoint must be complete, readable and from this model; `checkpoint.check` says what is wrong otherwise
+    (`checksums`: also every file's digest). Under torchrun/SLURM each rank decides this for itself: at start
+    `HolmesCheckpoint` proves that every rank lists the same checkpoints, and the load takes rank 0's path.
     """
     if config.resume is None:
         return None
@@ -45,4 +47,4 @@ def resume_path(config: TrainConfig, plan: Plan) -> str | None:
     if path is None:
         return None
     shape = {name: value for name, value in asdict(config.model).items() if name in MODEL_SHAPE}
-    return str(checkpoint.check(path, plan, hyperparameters=shape))
+    return str(checkpoint.check(path, plan, hyperparameters=shape, checksums=checksums))

@@ -6,12 +6,15 @@ save/load code; the multi-process cases (crash mid-save, resume on pp=2 x dp=2) 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import random
 from pathlib import Path
 
 import pytest
 import torch
+from distributed import run_ranks
 from torch import nn
 
 from holmes_lightning import planner
@@ -50,7 +53,7 @@ def save(directory: Path, step: int, model: tuple[nn.Module, torch.optim.Optimiz
         "hyper_parameters": SHAPE,
     }
     path = directory / f"step_{step:06d}.ckpt"
-    checkpoint.save(state, path, one_rank_plan(), rank=0, is_global_zero=True, barrier=lambda: None)
+    checkpoint.save(state, path, plan=one_rank_plan(), rank=0)
     return path
 
 
@@ -60,7 +63,14 @@ def test_a_save_publishes_one_complete_directory(tmp_path: Path) -> None:
     names = {p.name for p in path.iterdir()}
     assert {".metadata", "meta.pt", "plan.json", "complete.json", "rng_rank0.pt"} <= names
     assert any(name.endswith(".distcp") for name in names)
-    assert json.loads((path / "complete.json").read_text()) == {"global_step": 3, "epoch": 0, "world_size": 1}
+    manifest = json.loads((path / "complete.json").read_text())
+    assert {k: manifest[k] for k in ("global_step", "epoch", "world_size")} == {
+        "global_step": 3,
+        "epoch": 0,
+        "world_size": 1,
+    }
+    assert sorted(manifest["sha256"]) == sorted(names - {"complete.json"})  # every other file, with its digest
+    assert manifest["sha256"]["plan.json"] == hashlib.sha256((path / "plan.json").read_bytes()).hexdigest()
     assert checkpoint.check(path, one_rank_plan(), SHAPE) == path
 
 
@@ -71,7 +81,7 @@ def test_load_restores_weights_optimizer_and_random_state(tmp_path: Path) -> Non
     random.seed(7)
     path = save(tmp_path, 1, (module, optimizer))
     fresh, fresh_optimizer = trained()
-    meta, rng = checkpoint.load(path, fresh, [fresh_optimizer], one_rank_plan(), rank=0, strict=True)
+    meta, rng = checkpoint.load(path, fresh, [fresh_optimizer], plan=one_rank_plan(), rank=0, strict=True)
     assert meta["global_step"] == 1
     for mine, theirs in zip(module.parameters(), fresh.parameters(), strict=True):
         assert torch.equal(mine, theirs)
@@ -91,7 +101,7 @@ def test_loading_into_another_shape_names_the_tensor(tmp_path: Path) -> None:
         CheckpointError,
         match=r"does not fit this model \(Size mismatch between saved torch.Size\(\[16, 4\]\) and current: .*\[8, 4\]",
     ):
-        checkpoint.load(path, other, [other_optimizer], one_rank_plan(), rank=0, strict=True)
+        checkpoint.load(path, other, [other_optimizer], plan=one_rank_plan(), rank=0, strict=True)
 
 
 def test_latest_is_the_highest_complete_step(tmp_path: Path) -> None:
@@ -123,6 +133,12 @@ def _truncate_shard(path: Path) -> None:
     shard.write_bytes(shard.read_bytes()[:10])
 
 
+def _flip_a_byte(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only the digest can tell
+    file.write_bytes(bytes(data))
+
+
 CORRUPTIONS = {
     "no marker": (lambda p: (p / "complete.json").unlink(), r"is incomplete \(no complete.json"),
     "truncated shard": (_truncate_shard, r"is corrupt: shard __0_0.distcp has 10 of its \d+ bytes"),
@@ -130,6 +146,18 @@ CORRUPTIONS = {
     "garbage metadata": (lambda p: (p / ".metadata").write_bytes(b"junk"), r"is corrupt: \.metadata is unreadable"),
     "garbage meta.pt": (lambda p: (p / "meta.pt").write_bytes(b"junk"), r"is corrupt: meta\.pt is unreadable"),
     "garbage plan": (lambda p: (p / "plan.json").write_text("{"), r"is corrupt: plan\.json is unreadable"),
+    "flipped byte in a shard": (
+        lambda p: _flip_a_byte(next(p.glob("*.distcp"))),
+        r"is corrupt: __0_0.distcp changed since the save \(its sha256 differs from the one in complete.json",
+    ),
+    "flipped byte in the random state": (
+        lambda p: _flip_a_byte(p / "rng_rank0.pt"),
+        r"is corrupt: rng_rank0.pt changed since the save",
+    ),
+    "random state gone": (
+        lambda p: (p / "rng_rank0.pt").unlink(),
+        r"is corrupt: rng_rank0.pt changed .* or it is gone",
+    ),
 }
 
 
@@ -142,6 +170,15 @@ def test_a_damaged_checkpoint_is_refused_and_another_offered(tmp_path: Path, cor
     with pytest.raises(CheckpointError, match=message) as error:
         checkpoint.check(path, one_rank_plan(), SHAPE)
     assert "resume from another checkpoint" in str(error.value) and "step_000003.ckpt" in str(error.value)
+
+
+def test_load_refuses_a_shard_that_changed_since_the_save(tmp_path: Path) -> None:
+    path = save(tmp_path, 3)
+    _flip_a_byte(next(path.glob("*.distcp")))
+    module, optimizer = trained()
+    with pytest.raises(CheckpointError, match=r"is corrupt: __0_0.distcp changed since the save"):
+        checkpoint.load(path, module, [optimizer], plan=one_rank_plan(), rank=0, strict=True)
+    checkpoint.check(path, one_rank_plan(), SHAPE, checksums=False)  # sizes and metadata alone cannot tell
 
 
 def test_a_checkpoint_of_another_model_is_refused(tmp_path: Path) -> None:
@@ -157,3 +194,38 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path: Path) -> None:
 def test_keeping_no_checkpoint_is_refused() -> None:
     with pytest.raises(ValueError, match=r"HolmesCheckpoint\(keep=0\): keep at least 1"):
         HolmesCheckpoint("unused", keep=0)
+
+
+def test_a_directory_that_rank_0_cannot_see_written_is_not_shared() -> None:
+    problem = checkpoint.sharing_problem("/ckpt", ["a", "a", "b", "b"], seen={0, 1}, listings=[[]] * 4)
+    assert problem.startswith("checkpoint directory '/ckpt' is not shared: rank 0 on a does not see the files")
+    assert "rank(s) [2, 3] on b wrote into it" in problem and "checkpoint.dir=" in problem
+
+
+def test_ranks_that_list_different_checkpoints_are_refused() -> None:
+    listings = [["step_000003.ckpt", "step_000006.ckpt"], ["step_000003.ckpt"]]
+    problem = checkpoint.sharing_problem("/ckpt", ["a", "b"], seen={0, 1}, listings=listings)
+    assert "rank 0 on a: step_000003.ckpt, step_000006.ckpt; rank 1 on b: step_000003.ckpt" in problem
+    assert checkpoint.sharing_problem("/ckpt", ["a", "b"], seen={0, 1}, listings=[listings[0]] * 2) is None
+
+
+def shared_directory_verdicts(root: str) -> dict[str, str | None]:
+    """Rank side: `check_shared` on one directory for all, then on one directory per rank (as per-node disks)."""
+    torch.distributed.init_process_group("gloo")
+    verdicts = {}
+    for case, directory in (("shared", Path(root)), ("per rank", Path(root, f"rank{os.environ['RANK']}"))):
+        try:
+            checkpoint.check_shared(directory)
+            verdicts[case] = None
+        except CheckpointError as error:
+            verdicts[case] = str(error)
+    torch.distributed.destroy_process_group()
+    return verdicts
+
+
+@pytest.mark.slow
+def test_every_rank_refuses_a_checkpoint_directory_that_is_not_shared(tmp_path: Path) -> None:
+    verdicts = run_ranks("test_checkpoint:shared_directory_verdicts", cluster="single_node", root=str(tmp_path))
+    assert all(v["shared"] is None for v in verdicts)
+    assert all("is not shared: rank 0 on" in v["per rank"] and "rank(s) [1]" in v["per rank"] for v in verdicts)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]  # the tokens are gone

@@ -67,4 +67,6 @@ def test_under_torchrun_the_script_is_one_rank_and_logs_to_wandb_offline(tmp_pat
     assert "starting" not in out.stdout  # torchrun started the ranks; the script did not launch its own
     steps, first, last, _, _ = summary_of(out)
     assert steps == 6 and last < first
-    assert list(tmp_path.glob("*/wandb/offline-run-*"))
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.name != "checkpoints"]  # one for the job, not one per rank
+    assert run_dir.name.startswith("torchrun-")
+    assert list(run_dir.glob("wandb/offline-run-*"))

@@ -6,17 +6,25 @@ Everything is written into a hidden staging directory that is renamed to the che
 finished, so a crash while saving leaves the checkpoints already published untouched. Parameters and optimizer state
 are keyed by their names in the LightningModule (the optimizer state flattened per parameter), so a stage's keys are
 its own and loading needs no gather, on any plan over the same layers.
+
+`complete.json` lists the SHA-256 of every other file (each rank hashes its share of them), so a shard damaged after
+the save is refused by `check` and `load` with its name. The directory must be one that every node sees:
+`check_shared` proves it at start.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
-from collections.abc import Callable, Mapping, Sequence
+import socket
+import uuid
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.seed import _collect_rng_states
@@ -36,6 +44,7 @@ from holmes_lightning.planner import Plan
 PLAN_FILE = "plan.json"
 COMPLETE_FILE = "complete.json"
 DCP_METADATA_FILE = ".metadata"
+DIGEST = "sha256"
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -55,33 +64,80 @@ def rng_file(rank: int) -> str:
     return f"rng_rank{rank}.pt"
 
 
-def save(
-    checkpoint: dict[str, Any],
-    path: Path,
-    plan: Plan,
-    rank: int,
-    is_global_zero: bool,
-    barrier: Callable[[], None],
-) -> None:
+def save(checkpoint: dict[str, Any], path: Path, *, plan: Plan, rank: int) -> None:
     """Write into a hidden staging directory next to `path`, then rename it to `path` (every rank calls this)."""
     staging = _hidden(path, "partial")
-    if is_global_zero:
+    if rank == 0:
         for stale in path.parent.glob(".*.partial"):  # left by a save that crashed; one job writes a directory
             shutil.rmtree(stale, ignore_errors=True)
         staging.mkdir(parents=True)
-    barrier()
+    _barrier()
     torch.save(_collect_rng_states(), staging / rng_file(rank))
     state = {"state_dict": checkpoint.pop("state_dict")}
     state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-    dcp.save(state, checkpoint_id=staging)  # returns on rank 0 once every rank's shards are written
-    if is_global_zero:
+    metadata = dcp.save(state, checkpoint_id=staging)  # returns once every rank's shards and `.metadata` are written
+    written = [*_shard_files(metadata), DCP_METADATA_FILE, *(rng_file(r) for r in range(plan.world_size))]
+    digests = {
+        name: digest
+        for share in _gather(_digests(staging, written, (rank, plan.world_size)))
+        for name, digest in share.items()
+    }
+    if rank == 0:
         torch.save(checkpoint, staging / _METADATA_FILENAME)
         (staging / PLAN_FILE).write_text(plan.to_json())
+        digests.update(_digests(staging, [_METADATA_FILENAME, PLAN_FILE]))
         step, epoch = checkpoint.get("global_step"), checkpoint.get("epoch")
-        summary = {"global_step": step, "epoch": epoch, "world_size": plan.world_size}
+        summary = {
+            "global_step": step,
+            "epoch": epoch,
+            "world_size": plan.world_size,
+            DIGEST: dict(sorted(digests.items())),
+        }
         (staging / COMPLETE_FILE).write_text(json.dumps(summary))  # last: a directory without it is not a checkpoint
         _publish(staging, path)
-    barrier()
+    _barrier()
+
+
+def _barrier() -> None:
+    """Wait for every rank (nothing to wait for without a process group: DCP then saves and loads on one process)."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _gather(value: Any) -> list[Any]:
+    """Every rank's `value`, by rank."""
+    if not dist.is_initialized():
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def _shard_files(metadata: Any) -> list[str]:
+    return sorted({item.relative_path for item in metadata.storage_data.values()})
+
+
+def _file_digest(file: Path) -> str:
+    digest = hashlib.new(DIGEST)
+    with file.open("rb") as stream:
+        while chunk := stream.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _digests(directory: Path, names: Sequence[str], share: tuple[int, int] = (0, 1)) -> dict[str, str]:
+    """The digests of share (rank, world size) of `names`: every rank reads every world-size-th file, so once each."""
+    rank, world_size = share
+    return {name: _file_digest(directory / name) for name in names[rank::world_size]}
+
+
+def _damaged(directory: Path, digests: Mapping[str, str], share: tuple[int, int] = (0, 1)) -> list[str]:
+    """The files of this share of `digests` that are missing or whose contents changed since the save."""
+    rank, world_size = share
+    names = sorted(digests)[rank::world_size]
+    return [
+        name for name in names if not (directory / name).is_file() or _file_digest(directory / name) != digests[name]
+    ]
 
 
 def _hidden(path: Path, suffix: str) -> Path:
@@ -122,12 +178,67 @@ def latest(directory: str | Path) -> Path | None:
     return max(found)[2] if found else None
 
 
-def check(path: str | Path, plan: Plan | None = None, hyperparameters: Mapping[str, Any] | None = None) -> Path:
+def check_shared(directory: Path) -> None:
+    """Every rank calls this at start: each writes a token into `directory`, which rank 0 must see, and every rank
+    must list the same checkpoints there (else ranks would resume from different ones, or hang)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    names = [uuid.uuid4().hex if rank == 0 else None]
+    dist.broadcast_object_list(names, src=0)
+    directory.mkdir(parents=True, exist_ok=True)
+    token = directory / f".shared-{names[0]}-rank{rank}"
+    token.touch()
+    reports = _gather((socket.gethostname(), published(directory)))  # every token is written once this returns
+    problem = [None]
+    if rank == 0:
+        seen = {r for r in range(world_size) if (directory / f".shared-{names[0]}-rank{r}").is_file()}
+        problem = [sharing_problem(directory, [host for host, _ in reports], seen, [names for _, names in reports])]
+    dist.broadcast_object_list(problem, src=0)
+    token.unlink(missing_ok=True)
+    if problem[0] is not None:
+        raise CheckpointError(problem[0])
+
+
+def sharing_problem(
+    directory: str | Path, hosts: Sequence[str], seen: Collection[int], listings: Sequence[Sequence[str]]
+) -> str | None:
+    """Why `directory` is not one directory that every rank shares (None when it is).
+
+    `hosts`: each rank's host; `seen`: the ranks whose token rank 0 found; `listings`: the checkpoints each rank sees.
+    """
+    where = f"checkpoint directory {str(directory)!r}"
+    unseen = [rank for rank in range(len(hosts)) if rank not in seen]
+    if unseen:
+        return (
+            f"{where} is not shared: rank 0 on {hosts[0]} does not see the files that rank(s) {unseen} on "
+            f"{', '.join(sorted({hosts[r] for r in unseen}))} wrote into it. Every rank writes its shards there and "
+            f"reads others' on resume, so put it on a file system every node mounts (NFS, Lustre, GPFS, ...): "
+            f"checkpoint.dir=/shared/path (HolmesCheckpoint(dirpath=...))"
+        )
+    differing = [rank for rank, names in enumerate(listings) if list(names) != list(listings[0])]
+    if differing:
+        views = "; ".join(f"rank {r} on {hosts[r]}: {', '.join(listings[r]) or 'none'}" for r in [0, *differing])
+        return (
+            f"ranks list different checkpoints in {where} ({views}), so they would resume from different ones; "
+            f"wait until the file system shows every node the same files, then start again"
+        )
+    return None
+
+
+def check(
+    path: str | Path,
+    plan: Plan | None = None,
+    hyperparameters: Mapping[str, Any] | None = None,
+    *,
+    checksums: bool = True,
+) -> Path:
     """Stop early on a checkpoint that cannot be resumed: missing, incomplete, corrupt, or from another model.
 
-    Reads only metadata (no process group): DCP's `.metadata`, the size of every shard file it names, `meta.pt`
-    and `plan.json`. `plan`: this run's (same number of pipeline layers); `hyperparameters`: values the
-    LightningModule saved with `save_hyperparameters()` that must match (e.g. the model's shape).
+    Needs no process group: reads DCP's `.metadata`, the size of every shard file it names, `meta.pt`, `plan.json`
+    and, with `checksums`, every file whole against its digest in `complete.json` (leave that to `load` where each
+    of many ranks would read everything). `plan`: this run's (same number of pipeline layers); `hyperparameters`:
+    values the LightningModule saved with `save_hyperparameters()` that must match (e.g. the model's shape).
     """
     path = Path(path)
     where = f"checkpoint {str(path)!r}"
@@ -138,6 +249,7 @@ def check(path: str | Path, plan: Plan | None = None, hyperparameters: Mapping[s
             f"{where} is incomplete (no {COMPLETE_FILE}: its save did not finish, or another tool wrote it); "
             f"{_choices(path.parent)}"
         )
+    manifest = _read(path, COMPLETE_FILE, lambda file: json.loads(file.read_text()))
     saved_plan = _read(path, PLAN_FILE, lambda file: Plan.from_json(file.read_text()))
     meta = _read(path, _METADATA_FILENAME, lambda file: torch.load(file, weights_only=False, map_location="cpu"))
     metadata = _read(path, DCP_METADATA_FILE, lambda _file: dcp.FileSystemReader(path).read_metadata())
@@ -150,6 +262,8 @@ def check(path: str | Path, plan: Plan | None = None, hyperparameters: Mapping[s
         if have is None or have < size:
             state = "is missing" if have is None else f"has {have} of its {size} bytes"
             raise CheckpointError(f"{where} is corrupt: shard {name} {state}; {_choices(path.parent, path)}")
+    if checksums:
+        _refuse_damaged(path, _damaged(path, manifest.get(DIGEST, {})))
     if plan is not None:
         check_resumable(saved_plan, plan, path)
     saved = meta.get("hyper_parameters") or {}
@@ -158,6 +272,14 @@ def check(path: str | Path, plan: Plan | None = None, hyperparameters: Mapping[s
     if changed:
         raise CheckpointError(f"{where} holds another model ({'; '.join(changed)}); resume with the same settings")
     return path
+
+
+def _refuse_damaged(path: Path, damaged: Sequence[str]) -> None:
+    if damaged:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is corrupt: {', '.join(damaged)} changed since the save (its {DIGEST} differs "
+            f"from the one in {COMPLETE_FILE}, or it is gone); {_choices(path.parent, path)}"
+        )
 
 
 def _read(path: Path, name: str, reader: Callable[[Path], Any]) -> Any:
@@ -170,26 +292,36 @@ def _read(path: Path, name: str, reader: Callable[[Path], Any]) -> Any:
         ) from err
 
 
+def published(directory: str | Path) -> list[str]:
+    """The names of the checkpoints in `directory` that a finished save published (sorted)."""
+    return sorted(p.name for p in Path(directory).glob("[!.]*") if (p / COMPLETE_FILE).is_file())
+
+
 def _choices(directory: Path, exclude: Path | None = None) -> str:
-    others = sorted(p.name for p in directory.glob("[!.]*") if (p / COMPLETE_FILE).is_file() and p != exclude)
+    others = [name for name in published(directory) if exclude is None or name != exclude.name]
     if not others:
         return "start without resume (resume=null)"
     return f"resume from another checkpoint in {str(directory)!r} ({', '.join(others)}), or resume=auto for the newest"
 
 
 def load(
-    path: Path, module: nn.Module, optimizers: Sequence[Optimizer], plan: Plan, rank: int, strict: bool
+    path: Path, module: nn.Module, optimizers: Sequence[Optimizer], *, plan: Plan, rank: int, strict: bool
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """Load this rank's shards into `module` and `optimizers`.
+    """Check every file against its digest (each rank a share), then load this rank's shards into `module` and
+    `optimizers`. Every rank calls this.
 
     Returns the rest of Lightning's checkpoint and this rank's saved random-number state (None when the checkpoint
     came from a job of another size, whose rank numbers mean other stages).
     """
-    if not (path / PLAN_FILE).is_file() or not (path / _METADATA_FILENAME).is_file():
+    if not all((path / name).is_file() for name in (COMPLETE_FILE, PLAN_FILE, _METADATA_FILENAME)):
         raise CheckpointError(
-            f"ckpt_path={str(path)!r} is not a complete HolmesStrategy checkpoint (a directory with {PLAN_FILE}, "
-            f"{_METADATA_FILENAME} and DCP shards); pass a directory that ModelCheckpoint wrote under HolmesStrategy"
+            f"ckpt_path={str(path)!r} is not a complete HolmesStrategy checkpoint (a directory with {COMPLETE_FILE}, "
+            f"{PLAN_FILE}, {_METADATA_FILENAME} and DCP shards); pass a directory that ModelCheckpoint wrote under "
+            f"HolmesStrategy"
         )
+    digests = json.loads((path / COMPLETE_FILE).read_text()).get(DIGEST, {})
+    share = (rank, plan.world_size)
+    _refuse_damaged(path, sorted(name for damaged in _gather(_damaged(path, digests, share)) for name in damaged))
     saved = Plan.from_json((path / PLAN_FILE).read_text())
     check_resumable(saved, plan, path)
     state: dict[str, Any] = {"state_dict": model_state(module)}

@@ -1,12 +1,15 @@
 """Process groups and the ("pp", "dp") DeviceMesh of a Plan, each group on the link kind the Plan gives it.
 
-A group whose ranks share one RDMA fabric (one cluster, InfiniBand or RoCE) talks over it: NCCL's "IB" net, or a gloo
-device bound to the node's fabric address. Any other group spanning nodes goes over TCP: NCCL's "Socket" net, or gloo
-bound to the node's Ethernet address. Without addresses (outside the lab) gloo uses its default device.
+On NCCL a group whose ranks share one RDMA fabric (one cluster, InfiniBand or RoCE) is left to NCCL's own net choice;
+any other group spanning nodes is forced onto TCP sockets (`runtime.nccl.group_net`). On gloo a group listens on the
+node's fabric address, or its Ethernet address for TCP groups; without addresses (outside the lab) on gloo's default
+device. Every rank creates the groups in the same order and runs a tiny collective on each right away, so that a
+group whose communicator cannot be built fails at start, by name, not at the first step.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -15,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from holmes_lightning.planner import Plan
+from holmes_lightning.runtime import nccl
 from holmes_lightning.runtime.environment import NICGroupingEnvironment
 from holmes_lightning.topology import LinkKind
 
@@ -29,10 +33,25 @@ class Transport:
     link: LinkKind
     address: str | None
 
-    @property
-    def nccl_net(self) -> str | None:
-        """NCCL's network plugin for the group: its RDMA fabric, TCP sockets, or NCCL's choice inside one node."""
-        return {LinkKind.RDMA: "IB", LinkKind.TCP: "Socket"}.get(self.link)
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One process group of a plan: its name (in logs and errors), ranks in group order, and slowest link."""
+
+    name: str
+    ranks: tuple[int, ...]
+    link: LinkKind
+
+
+def plan_groups(plan: Plan) -> tuple[list[GroupSpec], list[GroupSpec]]:
+    """Every stage's DP group, then every DP column's pipeline group: the order every rank creates them in."""
+    layout = plan.mesh_layout()
+    dp_groups = [GroupSpec(f"dp{s.index}", tuple(layout[s.index]), s.dp_link) for s in plan.stages]
+    pp_groups = [
+        GroupSpec(f"pp{d}", tuple(row[d] for row in layout), link)
+        for d, link in zip(range(plan.dp), plan.pp_links, strict=True)
+    ]
+    return dp_groups, pp_groups
 
 
 def group_transport(link: LinkKind, environment: NICGroupingEnvironment) -> Transport:
@@ -53,19 +72,47 @@ def _register_bound_gloo() -> None:
         dist.Backend.register_backend(BOUND_GLOO, _create_bound_gloo, extended_api=True, devices=["cpu"])
 
 
-def new_group(ranks: tuple[int, ...], backend: str, transport: Transport, timeout: timedelta) -> dist.ProcessGroup:
+def new_group(
+    ranks: tuple[int, ...], backend: str, transport: Transport, timeout: timedelta, name: str | None = None
+) -> dist.ProcessGroup:
     """A process group of `ranks` in the given order (group rank = position), on `transport`. Collective call."""
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
-        if transport.nccl_net is not None:
-            options.config.net_name = transport.nccl_net
-        return dist.new_group(list(ranks), timeout=timeout, backend="nccl", pg_options=options, sort_ranks=False)
+        net = nccl.group_net(transport.link, os.environ)
+        if net is not None:
+            options.config.net_name = net
+        return dist.new_group(
+            list(ranks), timeout=timeout, backend="nccl", pg_options=options, sort_ranks=False, group_desc=name
+        )
     if transport.address is None:
-        return dist.new_group(list(ranks), timeout=timeout, backend=backend, sort_ranks=False)
+        return dist.new_group(list(ranks), timeout=timeout, backend=backend, sort_ranks=False, group_desc=name)
     _register_bound_gloo()
     return dist.new_group(
-        list(ranks), timeout=timeout, backend=BOUND_GLOO, pg_options=transport.address, sort_ranks=False
+        list(ranks),
+        timeout=timeout,
+        backend=BOUND_GLOO,
+        pg_options=transport.address,
+        sort_ranks=False,
+        group_desc=name,
     )
+
+
+def connected_group(
+    spec: GroupSpec, backend: str, transport: Transport, timeout: timedelta, device: torch.device
+) -> dist.ProcessGroup:
+    """`new_group`, then one tiny all-reduce by its members, so its communicator exists (or fails, named) now."""
+    net = nccl.group_net(spec.link, os.environ)
+    talks = backend if backend != "nccl" else f"NCCL net {net}" if net else "NCCL's own net choice"
+    where = f"process group {spec.name} (ranks {list(spec.ranks)}, {spec.link.value} link, {talks})"
+    try:
+        group = new_group(spec.ranks, backend, transport, timeout, name=spec.name)
+        if dist.get_rank() in spec.ranks:
+            probe = torch.zeros(1, device=device)
+            dist.all_reduce(probe, group=group)
+            probe.item()  # waits for the collective
+    except Exception as error:  # NCCL and gloo raise several types; all mean this group cannot talk
+        raise RuntimeError(f"{where} could not be set up: {error}") from error
+    return group
 
 
 @dataclass(frozen=True)
@@ -92,18 +139,19 @@ class PlanMesh:
 
 
 def build_mesh(
-    plan: Plan, *, environment: NICGroupingEnvironment, device_type: str, backend: str, timeout: timedelta
+    plan: Plan, *, environment: NICGroupingEnvironment, device: torch.device, backend: str, timeout: timedelta
 ) -> PlanMesh:
-    """Create every stage's DP group and every DP column's pipeline group (all ranks, same order), then the mesh."""
+    """Create and connect every group of `plan_groups` (all ranks, same order), then the mesh."""
     stage, dp_index = plan.coordinate(dist.get_rank())
-    layout = plan.mesh_layout()
-    rows = [tuple(row) for row in layout]
-    columns = [tuple(row[d] for row in layout) for d in range(plan.dp)]
-    dp_transports = [group_transport(s.dp_link, environment) for s in plan.stages]
-    pp_transports = [group_transport(link, environment) for link in plan.pp_links]
-    dp_groups = [new_group(row, backend, t, timeout) for row, t in zip(rows, dp_transports, strict=True)]
-    pp_groups = [new_group(column, backend, t, timeout) for column, t in zip(columns, pp_transports, strict=True)]
+    dp_specs, pp_specs = plan_groups(plan)
+    dp_transports = [group_transport(spec.link, environment) for spec in dp_specs]
+    pp_transports = [group_transport(spec.link, environment) for spec in pp_specs]
+    dp_groups = [connected_group(g, backend, t, timeout, device) for g, t in zip(dp_specs, dp_transports, strict=True)]
+    pp_groups = [connected_group(g, backend, t, timeout, device) for g, t in zip(pp_specs, pp_transports, strict=True)]
     mesh = DeviceMesh.from_group(
-        [pp_groups[dp_index], dp_groups[stage]], device_type, mesh=torch.tensor(layout), mesh_dim_names=MESH_DIMS
+        [pp_groups[dp_index], dp_groups[stage]],
+        device.type,
+        mesh=torch.tensor(plan.mesh_layout()),
+        mesh_dim_names=MESH_DIMS,
     )
     return PlanMesh(mesh, stage, dp_index, dp_transports[stage], pp_transports[dp_index])

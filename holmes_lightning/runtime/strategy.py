@@ -9,6 +9,7 @@ set aside, and backward adds them, which keeps accumulation, clipping, hooks and
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import replace
 from datetime import timedelta
@@ -36,7 +37,7 @@ from holmes_lightning.measure import cpu_rank_gflops, profile_modules
 from holmes_lightning.planner import SCHEDULES, BatchSettings, LayerProfile, ModelProfile, Plan, PlanOptions, Sharding
 from holmes_lightning.planner.planner import LAYOUTS, SHARDINGS
 from holmes_lightning.planner.report import format_plan
-from holmes_lightning.runtime import checkpoint, resume
+from holmes_lightning.runtime import checkpoint, nccl, resume
 from holmes_lightning.runtime.environment import NICGroupingEnvironment
 from holmes_lightning.runtime.groups import PlanMesh, build_mesh
 from holmes_lightning.runtime.pipeline import Pipeline, check_contract, keep_owned_layers, missing_contract, split_batch
@@ -148,7 +149,7 @@ class HolmesStrategy(ModelParallelStrategy):
             self.plan_mesh = build_mesh(
                 self.plan,
                 environment=self.cluster_environment,
-                device_type=self.root_device.type,
+                device=self.root_device,
                 backend=self._get_process_group_backend(),
                 timeout=self._timeout,
             )
@@ -157,15 +158,26 @@ class HolmesStrategy(ModelParallelStrategy):
         self.lightning_module._device_mesh = self._device_mesh
 
     def _setup_distributed(self) -> None:
-        """The default group; NCCL's spans every NIC kind, so it runs on sockets (it carries only small messages)."""
+        """The default group. On NCCL, this process's NCCL environment first (NCCL reads it once); the default
+        group runs on sockets unless the config puts every node on one fabric (it carries only small messages)."""
         ParallelStrategy.setup_environment(self)
         reset_seed()
         self.set_world_ranks()
         self._process_group_backend = self._get_process_group_backend()
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self._process_group_backend == "nccl":
+            environment = self.cluster_environment
+            assert isinstance(environment, NICGroupingEnvironment)
+            rendezvous = (environment.main_address, environment.main_port)
+            settings = nccl.set_up_process(
+                environment.spec, environment.node_rank(), environment.node_address, rendezvous
+            )
+            if environment.local_rank() == 0 and settings.notes():
+                print(f"holmes: node {environment.node_rank()}: {'; '.join(settings.notes())}", flush=True)
             options = torch.distributed.ProcessGroupNCCL.Options()
-            options.config.net_name = "Socket"
+            net = nccl.group_net(nccl.world_link(environment.spec), os.environ)
+            if net is not None:
+                options.config.net_name = net
             kwargs.update(device_id=self.root_device, pg_options=options)
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
 
@@ -371,7 +383,7 @@ class HolmesStrategy(ModelParallelStrategy):
         if storage_options is not None:
             raise TypeError("HolmesStrategy.save_checkpoint(storage_options=...) is not supported: it writes with DCP")
         path = Path(self.broadcast(filepath))
-        checkpoint.save(checkpoint_, path, self._require_plan(), self.global_rank, self.is_global_zero, self.barrier)
+        checkpoint.save(checkpoint_, path, plan=self._require_plan(), rank=self.global_rank)
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         assert self.lightning_module is not None
@@ -379,7 +391,7 @@ class HolmesStrategy(ModelParallelStrategy):
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         strict = self.lightning_module.strict_loading
         state, self._resumed_rng = checkpoint.load(
-            path, self.lightning_module, optimizers, self._require_plan(), self.global_rank, strict
+            path, self.lightning_module, optimizers, plan=self._require_plan(), rank=self.global_rank, strict=strict
         )
         return state
 

@@ -30,10 +30,19 @@ class NICKind(ConfigEnum):
 
 @dataclass
 class NICSpec:
-    """A node's NIC: its kind (None = detect from sysfs, Ethernet if none found) and per-port bandwidth."""
+    """A node's NIC: its kind (None = detect from sysfs, Ethernet if none found) and per-port bandwidth.
+
+    NCCL settings for the cluster's nodes, each None for NCCL's own choice: `hca`, the RDMA devices (and ports) to
+    use (NCCL_IB_HCA, e.g. [mlx5_0:1, mlx5_1:1]); `gid_index`, RoCE's GID index (NCCL_IB_GID_INDEX, often 3 for RoCE
+    v2); `socket_ifname`, the Ethernet interface that reaches the other clusters (NCCL_SOCKET_IFNAME; default: the
+    one holding the node's address).
+    """
 
     kind: NICKind | None = NICKind.ethernet
     gbps: float = 100.0
+    hca: list[str] | None = None
+    gid_index: int | None = None
+    socket_ifname: str | None = None
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from enum import Enum
@@ -12,7 +13,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from holmes_lightning.topology.spec import ClusterGroupSpec, ClusterSpec, LinkSpec, NICKind
+from holmes_lightning.topology.spec import ClusterGroupSpec, ClusterSpec, LinkSpec, NICKind, NICSpec
+
+NCCL_DEVICE = re.compile(r"[A-Za-z0-9_.@-]+(:\d+)?")  # an RDMA device[:port] or a network interface
 
 
 class TopologyError(ValueError):
@@ -295,6 +298,7 @@ def _validate(spec: ClusterSpec) -> None:
         _positive(_devices_per_node(spec, group), f"{where}.devices_per_node", "set the GPUs per node, e.g. 8")
         if group.device_tflops is not None:
             _positive(group.device_tflops, f"{where}.device_tflops", "set the device's peak TFLOPS or remove it")
+        _check_nccl_settings(f"{where}.nic", group.nic)
         if group.hostnames is not None and len(group.hostnames) != group.nodes:
             raise TopologyError(
                 f"{where}.hostnames has {len(group.hostnames)} names for {group.nodes} nodes; give one per node"
@@ -303,6 +307,19 @@ def _validate(spec: ClusterSpec) -> None:
     duplicates = sorted({h for h in hostnames if hostnames.count(h) > 1})
     if duplicates:
         raise TopologyError(f"cluster.clusters[*].hostnames: {duplicates} appear twice; each node needs its own name")
+
+
+def _check_nccl_settings(where: str, nic: NICSpec) -> None:
+    """The NCCL names a cluster's nodes use: device[:port] names, a GID index for RoCE, an interface name."""
+    if nic.hca is not None and (not nic.hca or not all(NCCL_DEVICE.fullmatch(hca) for hca in nic.hca)):
+        raise TopologyError(f"{where}.hca={nic.hca!r}: list RDMA devices as NCCL names them, e.g. [mlx5_0:1, mlx5_1:1]")
+    if nic.gid_index is not None and (nic.gid_index < 0 or nic.kind == NICKind.infiniband):
+        raise TopologyError(
+            f"{where}.gid_index={nic.gid_index!r}: a RoCE GID index is >= 0 (`show_gids` lists them; RoCE v2 is "
+            f"often 3), and InfiniBand has none; remove it for kind infiniband"
+        )
+    if nic.socket_ifname is not None and not NCCL_DEVICE.fullmatch(nic.socket_ifname):
+        raise TopologyError(f"{where}.socket_ifname={nic.socket_ifname!r}: name one network interface, e.g. eth0")
 
 
 def _load_measured(path: str) -> dict[str, float]:
