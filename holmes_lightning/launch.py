@@ -194,16 +194,19 @@ def parse_args(argv: Sequence[str]) -> tuple[LaunchConfig, list[str]]:
 def main(argv: Sequence[str] | None = None) -> int:
     """`holmes-launch`: bad input gives one `error:` line and exit code 2; otherwise the job's exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help"):
+    if args[:1] in (["-h"], ["--help"]):
         print(USAGE)
-        return 0 if args else 2
+        return 0
     try:
         config, command = parse_args(args)
         topology = Topology.from_config(config.cluster)
     except (HydraException, OmegaConfBaseException, ValueError) as err:  # ConfigError, TopologyError
         print(f"error: {error_line(err)}", file=sys.stderr, flush=True)
         return 2
-    print(f"holmes-launch: {topology.world_size} ranks of {topology.name!r} ({config.lab.mode}): {' '.join(command)}")
+    print(
+        f"holmes-launch: {topology.world_size} ranks of {topology.name!r} ({config.lab.mode}): {' '.join(command)}",
+        flush=True,
+    )
     return start_ranks(command, topology, config.lab)
 
 

@@ -78,11 +78,6 @@ def launch_mismatch(layout: Topology, world_size: int, trainer: tuple[int, int] 
     )
 
 
-def one_host_plays_all(layout: Topology, reports: Sequence[RankReport]) -> bool:
-    """True when the launcher put every rank on one node although the config has several (they are emulated)."""
-    return len(layout.nodes) > 1 and len({report.node_rank for report in reports}) == 1
-
-
 def check_placement(layout: Topology, reports: Sequence[RankReport]) -> bool:
     """Check the launcher's nodes against the config's; True when one host plays every node (emulated placement).
 
@@ -91,7 +86,7 @@ def check_placement(layout: Topology, reports: Sequence[RankReport]) -> bool:
     """
     if (message := launch_mismatch(layout, len(reports))) is not None:
         raise TopologyError(message)
-    if one_host_plays_all(layout, reports):
+    if len(layout.nodes) > 1 and len({report.node_rank for report in reports}) == 1:  # the launcher saw one node
         return True
     for report in reports:
         place = layout.ranks[report.rank]
