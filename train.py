@@ -14,22 +14,22 @@ from dataclasses import asdict
 import hydra
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import ConfigCompositionException, HydraException, OverrideParseException
+from hydra.errors import HydraException
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from holmes_lightning import job, validate
-from holmes_lightning.config import ConfigError, TrainConfig, register_configs
-from holmes_lightning.launch import LAUNCHED_ENV, launch
+from holmes_lightning.config import ConfigError, TrainConfig, error_line, register_configs
+from holmes_lightning.launch import LAUNCHED_ENV, start_ranks
 from holmes_lightning.planner import PlanError
+from holmes_lightning.recipes import GPT, ByteCorpusDataModule, RunSummary, throughput_monitor
 from holmes_lightning.runtime import HolmesStrategy
 from holmes_lightning.runtime.checkpoint import CheckpointError
 from holmes_lightning.runtime.environment import default_environment
 from holmes_lightning.runtime.pipeline import ContractError
 from holmes_lightning.runtime.preemption import HolmesCheckpoint
 from holmes_lightning.topology import Topology, TopologyError, config_dir
-from recipes import GPT, ByteCorpusDataModule, RunSummary, throughput_monitor
 
 register_configs()
 job.register_run_name_resolver()  # every rank of a torchrun/SLURM job names the run directory alike
@@ -58,7 +58,7 @@ def main(cfg: DictConfig) -> None:
         exit_with_error(err)
     run_dir = HydraConfig.get().runtime.output_dir
     if not is_rank_process():
-        sys.exit(start_ranks(config, topology, run_dir))
+        sys.exit(start_job(config, topology, run_dir))
     warn_once_about_timeout(config, topology, timeout_s)
     try:
         train(config, topology, strategy, run_dir)
@@ -70,13 +70,7 @@ def exit_with_error(err: BaseException, where: str = "") -> None:
     """One line that says what to fix, and exit code 2 (with HYDRA_FULL_ERROR=1, the traceback instead)."""
     if TRACEBACKS:
         raise err
-    message = str(err).strip()
-    if isinstance(err, OverrideParseException):  # Hydra does not say which override; values with `=` need quotes
-        message = f"{err.override}: {message.splitlines()[0]} (quote a value with = or spaces: key='a=b')"
-    elif isinstance(err, ConfigCompositionException) and err.__cause__:  # "Could not override x" + why, on one line
-        first, *rest = message.splitlines()
-        message = "; ".join([f"{first.rstrip('.')}: {str(err.__cause__).splitlines()[0]}", *rest])
-    print(f"error: {where}{message}", file=sys.stderr, flush=True)
+    print(f"error: {where}{error_line(err)}", file=sys.stderr, flush=True)
     sys.exit(2)
 
 
@@ -90,7 +84,7 @@ def is_rank_process() -> bool:
     return LAUNCHED_ENV in os.environ or default_environment().creates_processes_externally
 
 
-def start_ranks(config: TrainConfig, topology: Topology, run_dir: str) -> int:
+def start_job(config: TrainConfig, topology: Topology, run_dir: str) -> int:
     """One process per rank of the topology, all writing into this run's directory."""
     resume = f"resume='{config.resume}'" if config.resume else "resume=null"  # every rank resumes the same one
     command = [sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:], f"hydra.run.dir='{run_dir}'", resume]
@@ -98,11 +92,7 @@ def start_ranks(config: TrainConfig, topology: Topology, run_dir: str) -> int:
         print(f"train.py: resuming from {config.resume}", flush=True)
     print(topology, flush=True)
     print(f"train.py: starting {topology.world_size} ranks ({config.lab.mode}); logs in {run_dir}", flush=True)
-    if config.lab.mode == "emulate":
-        from holmes_lightning.lab import run_in_lab
-
-        return run_in_lab(topology, command, bandwidth_scale=config.lab.bandwidth_scale)
-    return launch(command, topology)
+    return start_ranks(command, topology, config.lab)
 
 
 def make_strategy(config: TrainConfig, topology: Topology, timeout_s: float) -> HolmesStrategy:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields
 
 from hydra.core.config_store import ConfigStore
+from hydra.errors import ConfigCompositionException, OverrideParseException
 
 from holmes_lightning.planner import PlanOptions
 from holmes_lightning.topology.spec import ClusterSpec
@@ -12,6 +14,19 @@ from holmes_lightning.topology.spec import ClusterSpec
 
 class ConfigError(ValueError):
     """A config value that cannot work; the message names the field, the value and the fix."""
+
+
+def error_line(err: BaseException) -> str:
+    """A config error as one line that names the key and the fix (Hydra's own messages span several lines)."""
+    message = str(err).strip()
+    if isinstance(err, OverrideParseException):  # Hydra does not say which override; values with `=` need quotes
+        return f"{err.override}: {message.splitlines()[0]} (quote a value with = or spaces: key='a=b')"
+    if isinstance(err, ConfigCompositionException) and err.__cause__:  # "Could not override x" + why
+        first, *rest = message.splitlines()
+        message = "\n".join([f"{first.rstrip('.')}: {str(err.__cause__).splitlines()[0]}", *rest])
+    message = message.split("\nConfig search path")[0]
+    message = re.sub(r"\n\t", ", ", re.sub(r":\n\t", ": ", message))  # Hydra's option lists: "a:\n\tb\n\tc"
+    return "; ".join(line.strip() for line in message.splitlines() if line.strip())
 
 
 def _require(ok: bool, field_name: str, value: object, fix: str) -> None:

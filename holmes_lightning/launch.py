@@ -1,13 +1,16 @@
-"""Start one process per rank of a Topology on this machine, numbered as torchrun numbers a multi-node job.
+"""`holmes-launch cluster=NAME [lab=emulate] -- COMMAND...`: run any command as every rank of a cluster config.
 
-Each child sees torchrun's variables (RANK, LOCAL_RANK, GROUP_RANK, ...), so Lightning's TorchElasticEnvironment
-picks it up exactly as on a real cluster. The lab passes a per-node command prefix (`ip netns exec NS`) and extra
-variables. If any rank fails, the others are stopped and the launcher exits non-zero; SIGTERM/SIGINT are forwarded
-so ranks can checkpoint before they exit.
+One process per rank on this machine, numbered as torchrun numbers a multi-node job: each child sees torchrun's
+variables (RANK, LOCAL_RANK, GROUP_RANK, ...), so Lightning's TorchElasticEnvironment picks it up exactly as on a
+real cluster, plus the cluster itself (HolmesStrategy runs on it, command-line overrides included). `lab=emulate`
+starts each node's ranks in the lab's emulated network (`ip netns exec NS`, see `holmes_lightning.lab`). If any rank
+fails, the others are stopped and the launcher exits non-zero; SIGTERM/SIGINT are forwarded so ranks can checkpoint
+before they exit. `train.py`, the bench and the probe start their ranks through `start_ranks` too.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -15,11 +18,36 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from holmes_lightning.topology import Topology
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-LAUNCHED_ENV = "HOLMES_LAUNCHED"
+from holmes_lightning.config import ConfigError, LabConfig, error_line, register_configs
+from holmes_lightning.topology import ClusterSpec, Topology, config_dir
+
+LAUNCHED_ENV = "HOLMES_LAUNCHED"  # every rank of the job runs on this host (emulated nodes)
+TOPOLOGY_ENV = "HOLMES_TOPOLOGY"  # the launched cluster, as `Topology.to_dict()` JSON
+USAGE = (
+    "usage: holmes-launch cluster=NAME [cluster.KEY=VALUE ...] [lab=emulate] [lab.bandwidth_scale=X] -- COMMAND ...\n"
+    "Runs COMMAND once per rank of the cluster config on this machine, numbered as torchrun numbers a multi-node job\n"
+    "(RANK, LOCAL_RANK, GROUP_RANK, WORLD_SIZE, MASTER_ADDR, ...). lab=emulate runs each node in the lab's emulated\n"
+    "network (needs root; otherwise plain loopback, with a notice). Example:\n"
+    "  holmes-launch cluster=two_cluster_mixed lab=emulate -- python recipes/train_my_model.py"
+)
+
+
+@dataclass
+class LaunchConfig:
+    """`holmes-launch`'s command line: the cluster to run (required) and where its ranks run."""
+
+    defaults: list[Any] = field(default_factory=lambda: ["_self_", {"cluster": "???"}, {"lab": "loopback"}])
+    cluster: ClusterSpec = field(default_factory=ClusterSpec)
+    lab: LabConfig = field(default_factory=LabConfig)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -43,7 +71,24 @@ def rank_env(topology: Topology, rank: int, master_addr: str, master_port: int) 
         "MASTER_PORT": str(master_port),
         "TORCHELASTIC_RUN_ID": f"holmes-{master_port}",
         LAUNCHED_ENV: "1",
+        TOPOLOGY_ENV: json.dumps(topology.to_dict()),
     }
+
+
+def launched_topology() -> Topology | None:
+    """The cluster holmes-launch started this process as a rank of (None: another launcher)."""
+    text = os.environ.get(TOPOLOGY_ENV)
+    return Topology.from_dict(json.loads(text)) if text else None
+
+
+def start_ranks(command: Sequence[str], topology: Topology, lab: LabConfig | None = None) -> int:
+    """The one way our tools start a job: every rank of `topology` runs `command` on this machine, in the lab's
+    emulated network when `lab.mode` is "emulate"; returns the job's exit code."""
+    if lab is not None and lab.mode == "emulate":
+        from holmes_lightning.lab.run import run_in_lab  # the lab starts its ranks with `launch` below
+
+        return run_in_lab(topology, command, bandwidth_scale=lab.bandwidth_scale)
+    return launch(command, topology)
 
 
 @dataclass
@@ -132,3 +177,38 @@ def _stop(procs: list[RankProcess], grace_s: float) -> None:
         except subprocess.TimeoutExpired:
             popen.kill()
             popen.wait()
+
+
+def parse_args(argv: Sequence[str]) -> tuple[LaunchConfig, list[str]]:
+    """Hydra overrides before `--`, the command after it; a bad override or cluster raises before anything starts."""
+    if "--" not in argv or argv.index("--") == len(argv) - 1:
+        raise ConfigError("give the command to run after `--`, e.g. holmes-launch cluster=NAME -- python my_script.py")
+    split = argv.index("--")
+    register_configs()
+    ConfigStore.instance().store(name="holmes_launch", node=LaunchConfig)
+    with initialize_config_dir(version_base=None, config_dir=str(config_dir())):
+        config: LaunchConfig = OmegaConf.to_object(compose("holmes_launch", overrides=list(argv[:split])))
+    return config, list(argv[split + 1 :])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`holmes-launch`: bad input gives one `error:` line and exit code 2; otherwise the job's exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] in (["-h"], ["--help"]):
+        print(USAGE)
+        return 0
+    try:
+        config, command = parse_args(args)
+        topology = Topology.from_config(config.cluster)
+    except (HydraException, OmegaConfBaseException, ValueError) as err:  # ConfigError, TopologyError
+        print(f"error: {error_line(err)}", file=sys.stderr, flush=True)
+        return 2
+    print(
+        f"holmes-launch: {topology.world_size} ranks of {topology.name!r} ({config.lab.mode}): {' '.join(command)}",
+        flush=True,
+    )
+    return start_ranks(command, topology, config.lab)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,16 +1,27 @@
+"""Launcher environments -> where each rank sits in the cluster config, and which device it drives (pure functions)."""
+
 import warnings
 
+import lightning as L
 import pytest
+import torch
 import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment, TorchElasticEnvironment
 
-from holmes_lightning.runtime.environment import (
-    NICGroupingEnvironment,
-    NICReport,
-    default_environment,
-    resolve_nics,
+from holmes_lightning import HolmesStrategy
+from holmes_lightning.launch import rank_env
+from holmes_lightning.runtime.environment import NICGroupingEnvironment, default_environment, resolve_nics
+from holmes_lightning.runtime.placement import (
+    RankReport,
+    check_placement,
+    choose_device,
+    host_position,
+    launch_mismatch,
+    node_layout,
 )
-from holmes_lightning.topology import NICKind, TopologyError, load_cluster_spec
+from holmes_lightning.topology import NICKind, Topology, TopologyError, load_cluster_spec
 
 TORCHRUN = {
     "RANK": "3",
@@ -32,13 +43,33 @@ SLURM = {
     "SLURM_NODELIST": "a-[01-02],b-[01-02]",
     "SLURM_NTASKS_PER_NODE": "1",
 }
+MIXED = Topology.from_config("two_cluster_mixed")
+CUDA = [torch.device("cuda", i) for i in range(8)]
 
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for key in [*TORCHRUN, *SLURM, "NODE_RANK", "SLURM_NNODES"]:
+    for key in [*TORCHRUN, *SLURM, "NODE_RANK", "SLURM_NNODES", "HOLMES_LAUNCHED", "HOLMES_TOPOLOGY"]:
         monkeypatch.delenv(key, raising=False)
     return monkeypatch
+
+
+def reports(numbering: list[tuple[int, int]], hosts: list[str] | None = None) -> list[RankReport]:
+    """What each rank reports for a launcher's (node rank, local rank) per rank, on the given host per node."""
+    return [
+        RankReport(rank, node, local, ((hosts[node] if hosts else "one-host"),), NICKind.ethernet)
+        for rank, (node, local) in enumerate(numbering)
+    ]
+
+
+def multi_node(topology: Topology) -> list[tuple[int, int]]:
+    """torchrun / SLURM / holmes-launch: node by node, local ranks from 0 on each."""
+    return [(info.node, info.local_device) for info in topology.ranks]
+
+
+def one_node(topology: Topology) -> list[tuple[int, int]]:
+    """Lightning's launcher with devices=N, `torchrun --standalone --nproc-per-node N`: all on node 0."""
+    return [(0, rank) for rank in range(topology.world_size)]
 
 
 def test_torchrun_variables(clean_env):
@@ -48,7 +79,7 @@ def test_torchrun_variables(clean_env):
     assert isinstance(env.inner, TorchElasticEnvironment)
     assert (env.global_rank(), env.world_size(), env.node_rank(), env.local_rank()) == (3, 4, 3, 0)
     assert env.main_address == "10.1.0.1" and env.main_port == 29500
-    env.check_placement()
+    env.check_launch(trainer=None)
     assert env.topology.ranks[env.global_rank()].nic is NICKind.roce
 
 
@@ -58,7 +89,7 @@ def test_slurm_variables(clean_env):
     env = NICGroupingEnvironment("two_cluster_mixed")
     assert isinstance(env.inner, SLURMEnvironment)
     assert (env.global_rank(), env.world_size(), env.node_rank()) == (2, 4, 2)
-    env.check_placement()
+    env.check_launch(trainer=None)
     assert env.topology.ranks[2].cluster == "B"
 
 
@@ -66,15 +97,137 @@ def test_plain_machine_uses_lightning_environment(clean_env):
     assert isinstance(default_environment(), LightningEnvironment)
 
 
-def test_launcher_disagreeing_with_config_is_an_error(clean_env):
-    for key, value in {**TORCHRUN, "WORLD_SIZE": "8"}.items():
-        clean_env.setenv(key, value)
-    with pytest.raises(TopologyError, match="world size 8"):
-        NICGroupingEnvironment("two_cluster_mixed").check_placement()
-    clean_env.setenv("WORLD_SIZE", "4")
-    clean_env.setenv("GROUP_RANK", "1")
-    with pytest.raises(TopologyError, match="rank 3 is node 1"):
-        NICGroupingEnvironment("two_cluster_mixed").check_placement()
+def test_multi_node_numbering_is_checked_strictly():
+    layout = node_layout(MIXED.spec)
+    assert check_placement(layout, reports(multi_node(MIXED))) is False
+    numbering = multi_node(MIXED)
+    numbering[3] = (1, 0)
+    with pytest.raises(TopologyError, match="rank 3 is node 1 / local 0 for the launcher but node 3 / local 0"):
+        check_placement(layout, reports(numbering))
+
+
+def test_one_host_plays_every_node():
+    """Lightning's launcher and torchrun --standalone number everything on node 0: emulated, not an error."""
+    assert check_placement(node_layout(MIXED.spec), reports(one_node(MIXED))) is True
+
+
+def test_size_mismatch_keeps_its_error():
+    with pytest.raises(
+        TopologyError, match="world size 3 from the launcher does not match cluster 'two_cluster_mixed'"
+    ):
+        check_placement(node_layout(MIXED.spec), reports(one_node(MIXED))[:3])
+
+
+def test_launch_mismatch_says_what_to_pass():
+    layout = node_layout(MIXED.spec)
+    assert launch_mismatch(layout, 4, trainer=(4, 1)) is None
+    message = launch_mismatch(layout, 1, trainer=(1, 1))
+    assert "Trainer(devices=1, num_nodes=1) starts 1; pass Trainer(devices=4)" in message
+    assert "holmes-launch cluster=two_cluster_mixed" in message and "--nproc-per-node 4" in message
+    assert "launch 4 processes" in launch_mismatch(layout, 8)
+
+
+def test_trainer_with_auto_devices_fails_before_spawning(clean_env):
+    """`devices="auto"` on this 1-device CPU would start 1 process for a 4-rank cluster: an error at Trainer()."""
+    strategy = HolmesStrategy(cluster="two_cluster_mixed", global_batch=8)
+    with pytest.raises(TopologyError, match=r"pass Trainer\(devices=4\) to run every node on this machine"):
+        L.Trainer(accelerator="cpu", devices="auto", strategy=strategy, logger=False)
+
+
+HOSTS = ["a-01", "a-02", "b-01", "b-02"]
+
+
+def named_cluster() -> Topology:
+    spec = load_cluster_spec("two_cluster_mixed")
+    spec.clusters[0].hostnames, spec.clusters[1].hostnames = HOSTS[:2], HOSTS[2:]
+    return Topology(spec)
+
+
+def test_torchrun_join_order_against_config_hostnames():
+    """c10d numbered hosts as they joined: say which config node each launcher node really is."""
+    topology = named_cluster()
+    layout = node_layout(topology.spec)
+    assert check_placement(layout, reports(multi_node(topology), HOSTS)) is False
+    joined = ["b-01", "a-02", "a-01", "b-02"]
+    with pytest.raises(TopologyError) as err:
+        check_placement(layout, reports(multi_node(topology), joined))
+    message = str(err.value)
+    assert "launcher node 0 runs on 'b-01' (config node 2), where the config has 'a-01'" in message
+    assert "launcher node 2 runs on 'a-01' (config node 0), where the config has 'b-01'" in message
+    assert "launcher node 1" not in message and "--node-rank" in message
+    with pytest.raises(TopologyError, match="'c-07' \\(a host the config does not name\\)"):
+        check_placement(layout, reports(multi_node(topology), ["a-01", "a-02", "c-07", "b-02"]))
+
+
+def test_hostnames_match_by_address_or_short_name():
+    topology = named_cluster()
+    numbering = multi_node(topology)
+    hosts = [("a-01.cluster", "a-01", "10.0.0.1"), ("x", "a-02"), ("b-01",), ("10.0.1.2", "b-02")]
+    found = [RankReport(r, n, lo, hosts[n], NICKind.ethernet) for r, (n, lo) in enumerate(numbering)]
+    assert check_placement(node_layout(topology.spec), found) is False
+
+
+def test_holmes_launch_on_one_host_skips_the_hostname_check():
+    topology = named_cluster()
+    assert check_placement(node_layout(topology.spec), reports(multi_node(topology), ["vm"] * 4)) is False
+
+
+cluster_groups = st.lists(st.tuples(st.integers(1, 3), st.integers(1, 3)), min_size=1, max_size=4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(groups=cluster_groups, data=st.data())
+def test_random_topologies_place_every_launch(groups, data):
+    """Any config: node-by-node numbering is strict, one-node numbering is emulated, swapped hosts are refused."""
+    clusters, hosts = [], []
+    for i, (nodes, devices) in enumerate(groups):
+        names = [f"h{len(hosts) + j}" for j in range(nodes)]
+        hosts += names
+        clusters.append({"name": f"C{i}", "nodes": nodes, "devices_per_node": devices, "hostnames": names})
+    layout = node_layout(load_cluster_spec({"name": "random", "clusters": clusters}))
+    assert check_placement(layout, reports(multi_node(layout), hosts)) is False
+    assert check_placement(layout, reports(one_node(layout))) is (len(hosts) > 1)
+    order = data.draw(st.permutations(hosts))
+    if order == hosts:
+        assert check_placement(layout, reports(multi_node(layout), order)) is False
+    else:
+        with pytest.raises(TopologyError, match="the launcher's node order differs"):
+            check_placement(layout, reports(multi_node(layout), order))
+
+
+@pytest.mark.parametrize(
+    ("environ", "local_rank", "devices", "expected"),
+    [
+        ({"LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4"}, 2, 4, (2, 4)),  # torchrun --standalone
+        ({"LOCAL_RANK": "1", "NODE_RANK": "0"}, 1, 4, (1, 4)),  # Lightning's launcher, devices=4
+        ({"RANK": "3", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "HOLMES_LAUNCHED": "1"}, 0, 1, (3, 4)),  # holmes-launch
+    ],
+)
+def test_host_position(environ, local_rank, devices, expected):
+    assert host_position(environ, local_rank, devices) == expected
+
+
+def test_holmes_launch_ranks_get_distinct_gpus():
+    """Our launcher says LOCAL_RANK=0 on every emulated node; on one real host they must not all use cuda:0."""
+    topology = Topology.from_config("two_cluster_mixed", devices_per_node=2)
+    devices = []
+    for rank in range(topology.world_size):
+        environ = rank_env(topology, rank, "127.0.0.1", 29500)
+        host_rank, host_ranks = host_position(environ, int(environ["LOCAL_RANK"]), 2)
+        devices.append(choose_device(CUDA[:2], visible=8, host_rank=host_rank, host_ranks=host_ranks, backend="nccl"))
+    assert devices == CUDA
+
+
+def test_device_choice():
+    assert choose_device(CUDA[:4], visible=4, host_rank=3, host_ranks=4, backend="nccl") == CUDA[3]
+    assert choose_device(CUDA[2:4], visible=4, host_rank=1, host_ranks=2, backend="nccl") == CUDA[3]  # devices=[2, 3]
+    assert choose_device([torch.device("cpu")], visible=1, host_rank=3, host_ranks=4, backend="gloo").type == "cpu"
+    assert choose_device(CUDA[:1], visible=2, host_rank=3, host_ranks=4, backend="gloo") == CUDA[1]  # gloo may share
+
+
+def test_two_nccl_ranks_never_share_a_gpu():
+    with pytest.raises(TopologyError, match="4 ranks run on this host but it has 2 cuda device.*NCCL cannot put two"):
+        choose_device(CUDA[:1], visible=2, host_rank=0, host_ranks=4, backend="nccl")
 
 
 def unpinned():
@@ -84,31 +237,37 @@ def unpinned():
     return spec
 
 
+def nic_reports(kinds: list[NICKind], gbps: float | None = None) -> list[RankReport]:
+    return [RankReport(r, r, 0, ("h",), kind, gbps) for r, kind in enumerate(kinds)]
+
+
 def test_detection_fills_unpinned_kinds():
-    reports = [NICReport(0, 0, NICKind.infiniband, 200), NICReport(1, 1, NICKind.infiniband, 200)]
-    reports += [NICReport(2, 2, NICKind.roce, 100), NICReport(3, 3, NICKind.roce, 100)]
-    resolved = resolve_nics(unpinned(), reports)
+    found = nic_reports([NICKind.infiniband] * 2 + [NICKind.roce] * 2, 200)
+    resolved = resolve_nics(unpinned(), found)
     assert [g.nic.kind for g in resolved.clusters] == ["infiniband", "roce"]
 
 
+def test_detection_on_one_host_uses_the_config_rank():
+    """Emulated on one host, every rank says node 0; its cluster is still its config rank's."""
+    found = [RankReport(r, 0, r, ("h",), kind) for r, kind in enumerate([NICKind.infiniband] * 2 + [NICKind.roce] * 2)]
+    assert [g.nic.kind for g in resolve_nics(unpinned(), found).clusters] == ["infiniband", "roce"]
+
+
 def test_detection_disagreeing_inside_a_cluster_is_an_error():
-    reports = [NICReport(0, 0, NICKind.infiniband, 200), NICReport(1, 1, NICKind.roce, 200)]
     with pytest.raises(TopologyError, match="cluster 'A': its nodes report different NICs"):
-        resolve_nics(unpinned(), reports)
+        resolve_nics(unpinned(), nic_reports([NICKind.infiniband, NICKind.roce]))
 
 
 def test_pinned_kind_against_detection_warns():
-    reports = [NICReport(r, r, NICKind.roce, 100) for r in range(4)]
     with pytest.warns(UserWarning, match="cluster 'A'"):
-        resolved = resolve_nics(load_cluster_spec("two_cluster_mixed"), reports)
+        resolved = resolve_nics(load_cluster_spec("two_cluster_mixed"), nic_reports([NICKind.roce] * 4, 100))
     assert resolved.clusters[0].nic.kind == "infiniband"
 
 
 def test_no_rdma_seen_keeps_pinned_kinds_silently():
-    reports = [NICReport(r, r, NICKind.ethernet, None) for r in range(4)]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        resolved = resolve_nics(load_cluster_spec("two_cluster_mixed"), reports)
+        resolved = resolve_nics(load_cluster_spec("two_cluster_mixed"), nic_reports([NICKind.ethernet] * 4))
     assert [g.nic.kind for g in resolved.clusters] == ["infiniband", "roce"]
 
 
@@ -127,3 +286,4 @@ def test_exchange_builds_the_topology_over_a_real_process_group(clean_env, tmp_p
     finally:
         dist.destroy_process_group()
     assert topology.nodes[0].nic is NICKind.infiniband
+    assert env.emulated is False

@@ -1,7 +1,9 @@
 import sys
 import time
 
-from holmes_lightning.launch import launch
+import pytest
+
+from holmes_lightning.launch import launch, main
 from holmes_lightning.topology import Topology
 
 PRINT_RANK = "import os; print(os.environ['RANK'], os.environ['GROUP_RANK'], os.environ['LOCAL_RANK'], flush=True)"
@@ -21,3 +23,48 @@ def test_one_failing_rank_stops_the_others(capfd):
     assert code == 7
     assert time.monotonic() - start < 30
     assert "rank 2 on node B-node0 exited with code 7" in capfd.readouterr().err
+
+
+PRINT_CLUSTER = (
+    "import json, os; spec = json.loads(os.environ['HOLMES_TOPOLOGY'])['spec']; "
+    "print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], 'devices_per_node', spec['devices_per_node'])"
+)
+
+
+def test_holmes_launch_runs_any_command_with_cluster_overrides(capfd):
+    assert (
+        main(["cluster=two_cluster_mixed", "cluster.devices_per_node=2", "--", sys.executable, "-c", PRINT_CLUSTER])
+        == 0
+    )
+    out = capfd.readouterr().out
+    assert "holmes-launch: 8 ranks of 'two_cluster_mixed' (loopback)" in out
+    assert sorted(line for line in out.splitlines() if line.startswith("rank")) == sorted(
+        f"rank {rank} of 8 devices_per_node 2" for rank in range(8)
+    )
+
+
+def test_holmes_launch_help(capsys):
+    assert main(["--help"]) == 0
+    assert "holmes-launch cluster=NAME" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["cluster=two_cluster_mixed"], "give the command to run after `--`"),
+        (["--", "CMD"], "You must specify 'cluster', e.g, cluster=<OPTION>; Available options: base_cluster,"),
+        (["cluster=nope", "--", "CMD"], "Could not find 'cluster/nope'"),
+        (["cluster=two_cluster_mixed", "cluster.foo=1", "--", "CMD"], "Could not override 'cluster.foo': Key 'foo'"),
+        (["cluster=two_cluster_mixed", "cluster.devices_per_node=0", "--", "CMD"], "cluster.devices_per_node=0: must"),
+        (["cluster=two_cluster_mixed", "lab=emulate", "lab.bandwidth_scale=-1", "--", "CMD"], "lab.bandwidth_scale"),
+        (["cluster=two_cluster_mixed", "lab.mode=netns", "--", "CMD"], "lab.mode='netns': use one of"),
+    ],
+)
+def test_holmes_launch_bad_input_is_one_error_line_before_anything_starts(args, message, capfd, tmp_path):
+    started = tmp_path / "started"
+    command = [sys.executable, "-c", f"open({str(started)!r}, 'w')"]
+    args = [*args[:-1], *command] if args[-1] == "CMD" else args
+    assert main(args) == 2
+    out, err = capfd.readouterr()
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+    assert not out and not started.exists()

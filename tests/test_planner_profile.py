@@ -6,8 +6,8 @@ import torch
 from holmes_lightning.config import ModelConfig
 from holmes_lightning.measure import profile_modules
 from holmes_lightning.planner import BatchSettings, ModelProfile, PlanOptions, plan
+from holmes_lightning.recipes.gpt import GPT
 from holmes_lightning.topology import Topology
-from recipes.gpt import GPT
 
 SHAPE = {"n_layers": 2, "d_model": 64, "n_heads": 4, "seq_len": 32, "vocab_size": 256}
 

@@ -10,9 +10,9 @@ from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
 from holmes_lightning.config import ConfigError, DataConfig, ModelConfig, TrainerConfig, register_configs
+from holmes_lightning.recipes import GPT, ByteCorpusDataModule, stdlib_corpus
+from holmes_lightning.recipes.data import ByteWindows, stdlib_sources
 from holmes_lightning.topology import config_dir
-from recipes import GPT, ByteCorpusDataModule, stdlib_corpus
-from recipes.data import ByteWindows, stdlib_sources
 
 register_configs()
 

@@ -19,8 +19,8 @@ from holmes_lightning.config import ModelConfig
 from holmes_lightning.lab.scale import default_bandwidth_scale
 from holmes_lightning.measure import profile_modules, rank_share
 from holmes_lightning.planner import ModelProfile
+from holmes_lightning.recipes import GPT
 from holmes_lightning.topology import LinkSpec, Topology
-from recipes import GPT
 
 FIT_SAMPLES = (1, 4)  # forward + backward is timed at these sample counts
 

@@ -12,7 +12,8 @@ from pathlib import Path
 from holmes_lightning.bench.calibrate import Calibration, profile_gpt
 from holmes_lightning.bench.config import BenchSettings
 from holmes_lightning.bench.variants import Hardware, Variant, plan_variants
-from holmes_lightning.lab import run_in_lab
+from holmes_lightning.config import LabConfig
+from holmes_lightning.launch import start_ranks
 from holmes_lightning.planner import ModelProfile, PlanOptions
 from holmes_lightning.topology import Topology
 
@@ -55,7 +56,7 @@ def run_variant(variant: Variant, settings: BenchSettings, scale: float, folder:
     spec_path = folder / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=1))
     command = [sys.executable, "-m", "holmes_lightning.bench.worker", str(spec_path.resolve())]
-    code = run_in_lab(variant.topology, command, bandwidth_scale=scale)
+    code = start_ranks(command, variant.topology, LabConfig(mode="emulate", bandwidth_scale=scale))
     if code != 0:
         raise RuntimeError(f"bench: run {variant.name!r} failed with exit code {code}; its ranks' output is above")
     files = [folder / f"rank{rank}.json" for rank in range(variant.topology.world_size)]

@@ -22,11 +22,11 @@ from torch.distributed.fsdp import fully_shard
 from holmes_lightning.bench.calibrate import gpt
 from holmes_lightning.config import ModelConfig
 from holmes_lightning.planner import Plan
+from holmes_lightning.recipes import ByteCorpusDataModule
+from holmes_lightning.recipes.gpt import GPT
 from holmes_lightning.runtime import HolmesStrategy
 from holmes_lightning.runtime.environment import default_environment
 from holmes_lightning.topology import Topology
-from recipes import ByteCorpusDataModule
-from recipes.gpt import GPT
 
 
 class StepTimer(Callback):

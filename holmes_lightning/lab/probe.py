@@ -28,8 +28,7 @@ from omegaconf import OmegaConf
 from holmes_lightning.config import ConfigError, LabConfig, register_configs
 from holmes_lightning.lab.bandwidth import gloo_bytes_per_s, pair_group, socket_bytes_per_s
 from holmes_lightning.lab.plan import BANDWIDTH_SCALE_ENV, format_scale
-from holmes_lightning.lab.run import run_in_lab
-from holmes_lightning.launch import launch
+from holmes_lightning.launch import start_ranks
 from holmes_lightning.runtime.environment import FABRIC_ADDRESS_ENV, NODE_ADDRESS_ENV
 from holmes_lightning.topology import ClusterSpec, Topology, config_dir
 
@@ -260,9 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" in os.environ:
         return measure(config, topology)
     command = [sys.executable, "-m", "holmes_lightning.lab.probe", *overrides]
-    if config.lab.mode == "emulate":
-        return run_in_lab(topology, command, config.lab.bandwidth_scale)
-    return launch(command, topology)
+    return start_ranks(command, topology, config.lab)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch.distributed as dist
@@ -14,39 +14,35 @@ from lightning.fabric.plugins.environments import (
     TorchElasticEnvironment,
 )
 
+from holmes_lightning.runtime.placement import (
+    NODE_ADDRESS_ENV,
+    RankReport,
+    check_placement,
+    host_identity,
+    launch_mismatch,
+    node_layout,
+)
 from holmes_lightning.topology import ClusterSpec, NICKind, Topology, TopologyError, load_cluster_spec
 from holmes_lightning.topology.detect import SYSFS_INFINIBAND, detect_node_nic, reconcile
 
-NODE_ADDRESS_ENV = "HOLMES_NODE_ADDRESS"
 FABRIC_ADDRESS_ENV = "HOLMES_FABRIC_ADDRESS"
 
 
-@dataclass(frozen=True)
-class NICReport:
-    """What one rank found on its node: the RDMA kind and rate (Ethernet and None when sysfs shows no RDMA port)."""
-
-    rank: int
-    node_rank: int
-    kind: NICKind
-    gbps: float | None
-
-
-def detect_report(rank: int, node_rank: int, sysfs_root: str | Path = SYSFS_INFINIBAND) -> NICReport:
+def detect_report(rank: int, node_rank: int, local_rank: int, sysfs_root: str | Path = SYSFS_INFINIBAND) -> RankReport:
+    """This rank's launcher numbering, its host's names and its node's NIC as sysfs shows it."""
     kind, gbps = detect_node_nic(sysfs_root)
-    return NICReport(rank, node_rank, kind, gbps)
+    return RankReport(rank, node_rank, local_rank, host_identity(os.environ), kind, gbps)
 
 
-def resolve_nics(spec: ClusterSpec, reports: list[NICReport]) -> ClusterSpec:
-    """Fill `nic.kind: null` from detection and warn where a pinned kind disagrees; every rank gets the same answer."""
-    topology_nodes = _node_clusters(spec)
+def resolve_nics(spec: ClusterSpec, reports: list[RankReport]) -> ClusterSpec:
+    """Fill `nic.kind: null` from detection and warn where a pinned kind disagrees; every rank gets the same answer.
+
+    Rank r reports for the config's rank r (see `placement`), so its node's cluster is the config's.
+    """
+    layout = node_layout(spec)
     found: dict[str, set[NICKind]] = {}
     for report in reports:
-        if report.node_rank >= len(topology_nodes):
-            raise TopologyError(
-                f"rank {report.rank} runs on node_rank {report.node_rank}, but the cluster config has only "
-                f"{len(topology_nodes)} nodes; fix the clusters' `nodes` or the launcher's node count"
-            )
-        found.setdefault(topology_nodes[report.node_rank], set()).add(report.kind)
+        found.setdefault(layout.node_of(report.rank).cluster, set()).add(report.kind)
     clusters = []
     for group in spec.clusters:
         kinds = found.get(group.name, set())
@@ -64,10 +60,6 @@ def resolve_nics(spec: ClusterSpec, reports: list[NICReport]) -> ClusterSpec:
             kind = reconcile(group.nic.kind, detected, f"cluster {group.name!r}")
         clusters.append(replace(group, nic=replace(group.nic, kind=kind)))
     return replace(spec, clusters=clusters)
-
-
-def _node_clusters(spec: ClusterSpec) -> list[str]:
-    return [group.name for group in spec.clusters for _ in range(group.nodes)]
 
 
 def default_environment() -> ClusterEnvironment:
@@ -96,6 +88,8 @@ class NICGroupingEnvironment(ClusterEnvironment):
             self.spec = load_cluster_spec(cluster)
             pinned = all(group.nic.kind is not None for group in self.spec.clusters)
             self._topology = Topology(self.spec) if pinned else None
+        self.layout = node_layout(self.spec)
+        self.emulated = False
 
     @property
     def topology(self) -> Topology:
@@ -103,26 +97,26 @@ class NICGroupingEnvironment(ClusterEnvironment):
             raise RuntimeError("NIC kinds are detected at start: call exchange() after the process group exists")
         return self._topology
 
-    def exchange(self) -> Topology:
-        """All ranks share what they detected (`all_gather_object`) and build the same Topology."""
-        mine = detect_report(self.global_rank(), self.node_rank(), self.sysfs_root)
-        reports: list[NICReport | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(reports, mine)
-        self._topology = Topology(resolve_nics(self.spec, reports), self._topology.measured if self._topology else None)
-        self.check_placement()
-        return self._topology
+    def check_launch(self, trainer: tuple[int, int] | None) -> None:
+        """The launch's size must be the config's, checked before any process starts or joins.
 
-    def check_placement(self) -> None:
-        """The launcher's (world size, node rank, local rank) must be the config's, or groups would mix NICs."""
-        topology = self.topology
-        topology.check_world_size(self.world_size())
-        rank = topology.ranks[self.global_rank()]
-        if (rank.node, rank.local_device) != (self.node_rank(), self.local_rank()):
-            raise TopologyError(
-                f"rank {self.global_rank()} is node {self.node_rank()} / local {self.local_rank()} for the launcher "
-                f"but node {rank.node} / local {rank.local_device} in cluster {topology.name!r}; launch nodes in the "
-                f"config's order with cluster.devices_per_node processes each"
-            )
+        `trainer`: (devices, num_nodes) when Lightning's launcher starts the processes from the Trainer's flags.
+        """
+        message = launch_mismatch(self.layout, self.world_size(), trainer)
+        if message is not None:
+            raise TopologyError(message)
+
+    def exchange(self) -> Topology:
+        """All ranks share where they run and what they detected (`all_gather_object`) and build the same Topology.
+
+        Sets `emulated`: one host plays every node of the config (Lightning's launcher, `torchrun --standalone`).
+        """
+        mine = detect_report(self.global_rank(), self.node_rank(), self.local_rank(), self.sysfs_root)
+        reports: list[RankReport | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, mine)
+        self.emulated = check_placement(self.layout, reports)
+        self._topology = Topology(resolve_nics(self.spec, reports), self._topology.measured if self._topology else None)
+        return self._topology
 
     @property
     def node_address(self) -> str | None:

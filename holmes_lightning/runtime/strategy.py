@@ -19,7 +19,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _init_dist_connection
+from lightning.fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+)
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import _set_rng_states, reset_seed
@@ -31,8 +34,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from holmes_lightning import planner
+from holmes_lightning.launch import launched_topology
 from holmes_lightning.measure import cpu_rank_gflops, profile_modules
 from holmes_lightning.planner import SCHEDULES, BatchSettings, LayerProfile, ModelProfile, Plan, PlanOptions, Sharding
 from holmes_lightning.planner.planner import LAYOUTS, SHARDINGS
@@ -41,8 +46,9 @@ from holmes_lightning.runtime import checkpoint, nccl, resume
 from holmes_lightning.runtime.environment import NICGroupingEnvironment
 from holmes_lightning.runtime.groups import PlanMesh, build_mesh
 from holmes_lightning.runtime.pipeline import Pipeline, check_contract, keep_owned_layers, missing_contract, split_batch
+from holmes_lightning.runtime.placement import choose_device, describe_emulation, host_position
 from holmes_lightning.runtime.sharding import clip_grad_norm_, parallelize
-from holmes_lightning.topology import ClusterSpec, Topology
+from holmes_lightning.topology import ClusterSpec, Topology, load_cluster_spec
 
 
 class HolmesStrategy(ModelParallelStrategy):
@@ -105,6 +111,7 @@ class HolmesStrategy(ModelParallelStrategy):
         self._parameters: list[nn.Parameter] = []
         self._step_grads: list[torch.Tensor | None] | None = None
         self._resumed_rng: dict[str, Any] | None = None
+        self._device: torch.device | None = None
 
     @property
     def replica_batch_size(self) -> int:
@@ -128,22 +135,55 @@ class HolmesStrategy(ModelParallelStrategy):
             check_contract(model, self.options.pp)
         super().connect(model)
 
+    @override
     def _configure_launcher(self) -> None:
-        """Lightning has chosen the launcher's environment by now: wrap it so it also yields the Topology."""
+        """Lightning has chosen the launcher's environment by now: wrap it so it also yields the Topology, and stop a
+        launch of the wrong size here, before Lightning's launcher starts any process."""
         if not isinstance(self.cluster_environment, NICGroupingEnvironment):
             self.cluster_environment = NICGroupingEnvironment(self._cluster_source(), inner=self.cluster_environment)
+        spawned_here = not self.cluster_environment.creates_processes_externally
+        self.cluster_environment.check_launch((self.num_processes, self.num_nodes) if spawned_here else None)
         super()._configure_launcher()
 
     def _cluster_source(self) -> str | Path | dict | ClusterSpec | Topology:
+        """holmes-launch's cluster (command-line overrides win over the script's), the given one, or the launch's."""
+        launched = launched_topology()
+        if launched is not None:
+            given = self.cluster.spec if isinstance(self.cluster, Topology) else self.cluster
+            if given is not None and load_cluster_spec(given) != launched.spec:
+                rank_zero_info(
+                    f"HolmesStrategy: running the cluster holmes-launch started ({launched.name!r}, "
+                    f"{launched.world_size} ranks, command-line overrides included) instead of cluster={self.cluster!r}"
+                )
+            return launched
         if self.cluster is not None:
             return self.cluster
         nodes = [{"name": "local", "nodes": self.num_nodes, "nic": {"kind": None}}]
         return {"name": "launched", "devices_per_node": self.num_processes, "clusters": nodes}
 
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        """This process's device: its place among the job's processes on this host (see `placement.choose_device`)."""
+        if self._device is None:
+            assert self.parallel_devices is not None and self.cluster_environment is not None
+            host_rank, host_ranks = host_position(os.environ, self.local_rank, self.num_processes)
+            self._device = choose_device(
+                self.parallel_devices,
+                visible=self.accelerator.auto_device_count() if self.accelerator is not None else 0,
+                host_rank=host_rank,
+                host_ranks=host_ranks,
+                backend=self._process_group_backend
+                or _get_default_process_group_backend_for_device(self.parallel_devices[0]),
+            )
+        return self._device
+
     def setup_environment(self) -> None:
         self._setup_distributed()
         assert isinstance(self.cluster_environment, NICGroupingEnvironment)
         self.topology = self.cluster_environment.exchange()
+        if self.cluster_environment.emulated:
+            rank_zero_info(describe_emulation(self.topology))
         if self.plan_mesh is None:
             self.plan = self._agree_on_plan()
             self.plan_mesh = build_mesh(

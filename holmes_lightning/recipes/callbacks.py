@@ -5,7 +5,7 @@ from __future__ import annotations
 import lightning as L
 from lightning.pytorch.callbacks import Callback, ThroughputMonitor
 
-from recipes.gpt import GPT
+from holmes_lightning.recipes.gpt import GPT
 
 
 def throughput_monitor(model: GPT, global_batch: int, world_size: int, window: int) -> ThroughputMonitor:

@@ -1,0 +1,100 @@
+"""A user's own training script, not from recipes/: `python user_script.py OUT_DIR`.
+
+The same file runs unchanged under Lightning's launcher (`python user_script.py OUT`, `devices=4` starts the other
+three processes), `torchrun --standalone --nproc-per-node 4 user_script.py OUT` and
+`holmes-launch cluster=two_cluster_mixed -- python user_script.py OUT`. Each rank writes the loss of every training
+step to OUT/rank<N>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from holmes_lightning import HolmesStrategy
+
+SEED, STEPS, GLOBAL_BATCH, FEATURES, CLASSES = 11, 6, 8, 12, 3
+
+
+def dataset() -> TensorDataset:
+    generator = torch.Generator().manual_seed(5)
+    inputs = torch.randn(128, FEATURES, generator=generator)
+    return TensorDataset(inputs, (inputs[:, :CLASSES] * inputs[:, CLASSES : 2 * CLASSES]).argmax(dim=1))
+
+
+class GatedClassifier(L.LightningModule):
+    """Three gated blocks and a head, written as pipeline layers; `training_step` is its plain one-process step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Gated(FEATURES if i == 0 else 24, 24) for i in range(3))
+        self.head = nn.Linear(24, CLASSES)
+        self.example_input_array = torch.zeros(2, FEATURES)
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return [*self.blocks, self.head]
+
+    def pipeline_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(outputs, targets)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        for layer in self.pipeline_layers():
+            inputs = layer(inputs)
+        return inputs
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.pipeline_loss(self(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> DataLoader:
+        """Each DP replica's share of the global batch (the plan's DP degree is known by now)."""
+        return DataLoader(dataset(), batch_size=self.trainer.strategy.replica_batch_size, shuffle=True)
+
+
+class Gated(nn.Module):
+    def __init__(self, width_in: int, width_out: int) -> None:
+        super().__init__()
+        self.value, self.gate = nn.Linear(width_in, width_out), nn.Linear(width_in, width_out)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.value(inputs) * torch.sigmoid(self.gate(inputs))
+
+
+class StepLosses(L.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, *args: Any) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def main(out: str) -> None:
+    L.seed_everything(SEED)
+    model, losses = GatedClassifier(), StepLosses()
+    strategy = HolmesStrategy(cluster="two_cluster_mixed", global_batch=GLOBAL_BATCH, pp=2)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=4,
+        strategy=strategy,
+        max_steps=STEPS,
+        callbacks=[losses],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model)
+    Path(out, f"rank{trainer.global_rank}.json").write_text(json.dumps(losses.losses))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
