@@ -129,11 +129,13 @@ def _evaluate(trainer: L.Trainer, model: L.LightningModule, loaders: dict[str, D
     }
 
 
-def _fit_and_evaluate(strategy: Any, batch_size: int) -> dict[str, Any]:
+def _fit_and_evaluate(strategy: Any, batch_size: int, checkpoint: str | None = None) -> dict[str, Any]:
     L.seed_everything(SEED)
     model, recorder, loaders = MetricMLP(), StepMetrics(), _loaders(batch_size, single_process=strategy == "auto")
     trainer = _trainer(strategy, callbacks=[recorder])
     trainer.fit(model, loaders["train"], loaders["val"])
+    if checkpoint is not None:
+        trainer.save_checkpoint(checkpoint)
     metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
     fitted = {"steps": recorder.steps, "metrics": metrics, "logged": sorted(trainer.logged_metrics)}
     return {**fitted, **_evaluate(trainer, model, loaders)}
@@ -157,17 +159,21 @@ def _strategy() -> HolmesStrategy:
     )
 
 
-def pipelined_runs() -> dict[str, Any]:
-    """Rank side: fit with the hooks, then validate/test/predict; then all three on a fresh Trainer and model."""
-    strategy = _strategy()
-    fitted = _fit_and_evaluate(strategy, GLOBAL_BATCH // DP)
-    alone = _on_their_own(_strategy(), GLOBAL_BATCH // DP)
-    return {"fit": fitted, "alone": alone, "last_stage": strategy.pipeline.is_last}
+def pipelined_runs(checkpoint: str) -> dict[str, Any]:
+    """Rank side: fit with the hooks, then validate/test/predict; then all three on a fresh Trainer and model, and
+    validation of the fitted checkpoint on another fresh one."""
+    strategy, batch_size = _strategy(), GLOBAL_BATCH // DP
+    fitted = _fit_and_evaluate(strategy, batch_size, checkpoint)
+    alone = _on_their_own(_strategy(), batch_size)
+    L.seed_everything(SEED + 1)  # other initial weights: the checkpoint's must replace them
+    restored = _trainer(_strategy()).validate(MetricMLP(), _loaders(batch_size)["val"], ckpt_path=checkpoint)[0]
+    return {"fit": fitted, "alone": alone, "restored": restored, "last_stage": strategy.pipeline.is_last}
 
 
 @pytest.fixture(scope="module")
-def ranks() -> list[dict[str, Any]]:
-    return run_ranks("test_hooks:pipelined_runs", timeout_s=600)
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    checkpoint = str(tmp_path_factory.mktemp("fitted") / "fitted.ckpt")
+    return run_ranks("test_hooks:pipelined_runs", timeout_s=600, checkpoint=checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -194,6 +200,12 @@ def test_validate_test_and_predict_match_one_process(run: str, ranks: list[dict]
         assert result[run]["test"] == pytest.approx(expected["test"], rel=1e-4), f"rank {rank}"
         assert torch.tensor(result[run]["predict"]).allclose(torch.tensor(expected["predict"]), rtol=1e-4, atol=1e-6)
         assert result[run]["inference_mode"] == [False, False], "evaluation runs under no_grad (FSDP2 on NCCL)"
+
+
+@pytest.mark.slow
+def test_a_fitted_checkpoint_validates_on_its_own_like_the_fitted_model(ranks: list[dict], reference: dict) -> None:
+    for rank, result in enumerate(ranks):
+        assert result["restored"] == pytest.approx(reference["fit"]["validate"], rel=1e-4), f"rank {rank}"
 
 
 @pytest.mark.slow
