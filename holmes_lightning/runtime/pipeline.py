@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle, get_schedule_class
 
 from holmes_lightning.planner import Plan
 from holmes_lightning.runtime.sharding import GradientSync
@@ -46,6 +47,18 @@ def split_batch(batch: object) -> tuple[torch.Tensor, torch.Tensor]:
     return batch[0], batch[1]
 
 
+def prediction_inputs(batch: object) -> torch.Tensor:
+    """The inputs of a predict batch: the batch itself when it is a tensor, else the first of (inputs[, targets])."""
+    if torch.is_tensor(batch):
+        return batch
+    if isinstance(batch, tuple | list) and len(batch) in (1, 2) and all(torch.is_tensor(t) for t in batch):
+        return batch[0]
+    raise ContractError(
+        f"HolmesStrategy predicts from batches that are an inputs tensor, (inputs,) or (inputs, targets), the samples "
+        f"first; got {type(batch).__name__}; make the predict DataLoader yield one of these"
+    )
+
+
 def keep_owned_layers(module: nn.Module, layers: Sequence[nn.Module], owned: set[int]) -> None:
     """Detach the layers this rank does not own from `module`: its parameters, optimizer and checkpoint skip them."""
     parents = {id(child): (parent, name) for parent in module.modules() for name, child in parent.named_children()}
@@ -67,11 +80,30 @@ def keep_owned_layers(module: nn.Module, layers: Sequence[nn.Module], owned: set
         )
 
 
+@dataclass(frozen=True)
+class StepResult:
+    """One pipelined step: the mean loss over all DP replicas (every rank), and the last stage's outputs for the
+    replica batch where they were asked for (None on other stages, and when not asked)."""
+
+    loss: torch.Tensor
+    outputs: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class _Schedule:
+    """A torch schedule and the PipelineStages it runs (a step leaves activations and outputs in them)."""
+
+    runner: PipelineScheduleSingle | PipelineScheduleMulti
+    stages: list[PipelineStage]
+
+
 class Pipeline:
     """This rank's chunks as PipelineStages and the plan's schedule; one schedule per micro-batch shape for eval.
 
     The chunks come parallelized (`sharding.parallelize`); `gradient_syncs` are what it left to run after each
-    schedule step (the gradient averaging of pipelined replicas).
+    schedule step (the gradient averaging of pipelined replicas). The last stage's outputs (logits: GBs at a real
+    vocabulary x sequence) are kept only for a step that asks for them (`keep_outputs`), and nothing a step computed
+    stays in the stages after it.
     """
 
     def __init__(
@@ -94,8 +126,8 @@ class Pipeline:
         self.gradient_syncs = list(gradient_syncs)
         self.fsdp_modules = [m for chunk in self.chunks for m in chunk.modules() if isinstance(m, FSDPModule)]
         self.schedule_class = get_schedule_class(plan.schedule)
-        self.train_schedule = self._schedule(plan.microbatches)
-        self._eval_schedules: dict[tuple[int, ...], object] = {}
+        self.train_schedule = self._schedule(loss_fn)
+        self._forward_schedules: dict[tuple[tuple[int, ...], bool], _Schedule] = {}
 
     @property
     def is_first(self) -> bool:
@@ -105,18 +137,24 @@ class Pipeline:
     def is_last(self) -> bool:
         return self.plan.holds_last(self.stage)
 
-    def _schedule(self, microbatches: int) -> object:
+    @property
+    def last_stage(self) -> int:
+        """The stage that runs the last virtual stage: its rank in the pipeline group (groups follow stage order)."""
+        return next(stage for stage in range(self.plan.pp) if self.plan.holds_last(stage))
+
+    def _schedule(self, loss_fn: LossFn | None) -> _Schedule:
         virtual = self.plan.virtual_stages(self.stage)
         stages = [
             PipelineStage(chunk, index, self.plan.num_virtual_stages, self.device, group=self.pp_group)
             for index, chunk in zip(virtual, self.chunks, strict=True)
         ]
+        microbatches = self.plan.microbatches
         if issubclass(self.schedule_class, PipelineScheduleSingle):
-            return self.schedule_class(stages[0], n_microbatches=microbatches, loss_fn=self.loss_fn)
-        return self.schedule_class(stages, n_microbatches=microbatches, loss_fn=self.loss_fn)
+            return _Schedule(self.schedule_class(stages[0], n_microbatches=microbatches, loss_fn=loss_fn), stages)
+        return _Schedule(self.schedule_class(stages, n_microbatches=microbatches, loss_fn=loss_fn), stages)
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of one replica batch; gradients land in the stage's parameters. Returns the loss."""
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, *, keep_outputs: bool = False) -> StepResult:
+        """Forward and backward of one replica batch; gradients land in the stage's parameters."""
         if inputs.shape[0] != self.plan.replica_batch:
             raise ValueError(
                 f"a training batch has {inputs.shape[0]} samples per DP replica but the plan needs "
@@ -125,50 +163,80 @@ class Pipeline:
             )
         for module in self.fsdp_modules:  # every stage gathers now, not when its first micro-batch arrives
             module.unshard(async_op=True)  # FSDP's pre-forward waits for it
-        local = self._run(self.train_schedule.step, inputs, targets)
+        local, outputs = self._run(self.train_schedule, inputs, targets, keep_outputs=keep_outputs, backward=True)
         for sync in self.gradient_syncs:
             sync()
-        return shared_loss(local, self.plan.dp, self.device)
+        return StepResult(shared_loss(local, self.plan.dp, self.device), outputs)
 
-    def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Forward only, in the plan's micro-batches (any batch size they divide). Returns the loss."""
+    def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor, *, keep_outputs: bool = False) -> StepResult:
+        """Forward only, in the plan's micro-batches (any batch size they divide)."""
+        local, outputs = self._forward(inputs, targets, keep_outputs=keep_outputs, purpose="an evaluation")
+        return StepResult(shared_loss(local, self.plan.dp, self.device), outputs)
+
+    def predict_step(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """Forward only, no loss: the last stage's outputs (None on the other stages)."""
+        return self._forward(inputs, None, keep_outputs=True, purpose="a prediction")[1]
+
+    def _forward(
+        self, inputs: torch.Tensor, targets: torch.Tensor | None, *, keep_outputs: bool, purpose: str
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         microbatches = self.plan.microbatches
         if inputs.shape[0] % microbatches:
             raise ValueError(
-                f"an evaluation batch has {inputs.shape[0]} samples per DP replica, which does not split into the "
+                f"{purpose} batch has {inputs.shape[0]} samples per DP replica, which does not split into the "
                 f"plan's {microbatches} micro-batches; use a batch size that is a multiple of {microbatches} and "
-                f"drop_last=True in the val/test DataLoader"
+                f"drop_last=True in its DataLoader"
             )
         if self.plan.pp == 1:  # every virtual stage is here: run the chunks in order (torch's eval trips on this)
-            local = self._run_locally(inputs, targets)
+            result = self._run_locally(inputs, targets, keep_outputs=keep_outputs)
         else:
-            shape = tuple(inputs.shape)
-            if shape not in self._eval_schedules:  # stage buffers are sized by the first micro-batch they see
-                self._eval_schedules[shape] = self._schedule(microbatches)
-            local = self._run(self._eval_schedules[shape].eval, inputs, targets)
+            key = (tuple(inputs.shape), targets is not None)
+            if key not in self._forward_schedules:  # stage buffers are sized by the first micro-batch they see
+                self._forward_schedules[key] = self._schedule(self.loss_fn if targets is not None else None)
+            result = self._run(self._forward_schedules[key], inputs, targets, keep_outputs=keep_outputs)
         for module in self.fsdp_modules:
             module.reshard()  # no backward follows to free the gathered weights
-        return shared_loss(local, self.plan.dp, self.device)
+        return result
 
-    def _run(self, step: Callable, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-        """One schedule call; the mean loss of this rank's micro-batches (None off the last stage)."""
+    def _run(
+        self,
+        schedule: _Schedule,
+        inputs: torch.Tensor,
+        targets: torch.Tensor | None,
+        *,
+        keep_outputs: bool,
+        backward: bool = False,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One schedule call: the mean loss of this rank's micro-batches and the merged outputs (None off the last
+        stage, or when not kept)."""
         losses: list[torch.Tensor] = []
-        inputs, targets = inputs.to(self.device), targets.to(self.device)
-        first = (inputs,) if self.is_first else ()
-        step(*first, target=targets if self.is_last else None, losses=losses)
-        return torch.stack([loss.detach().float() for loss in losses]).mean() if losses else None
+        first = (inputs.to(self.device),) if self.is_first else ()
+        target = targets.to(self.device) if targets is not None and self.is_last else None
+        call = schedule.runner.step if backward else schedule.runner.eval
+        kept = losses if targets is not None else None  # prediction: no loss function, no losses
+        outputs = call(*first, target=target, losses=kept, return_outputs=keep_outputs)
+        for stage in schedule.stages:  # eval leaves every micro-batch's activations (logits) here until the next call
+            stage.clear_runtime_states()
+        return _mean(losses), outputs
 
-    def _run_locally(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        losses = []
-        for x, y in zip(
-            inputs.to(self.device).chunk(self.plan.microbatches),
-            targets.to(self.device).chunk(self.plan.microbatches),
-            strict=True,
-        ):
+    def _run_locally(
+        self, inputs: torch.Tensor, targets: torch.Tensor | None, *, keep_outputs: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        losses, outputs = [], []
+        microbatches = self.plan.microbatches
+        target_chunks = targets.to(self.device).chunk(microbatches) if targets is not None else [None] * microbatches
+        for x, y in zip(inputs.to(self.device).chunk(microbatches), target_chunks, strict=True):
             for chunk in self.chunks:
                 x = chunk(x)
-            losses.append(self.loss_fn(x, y).detach().float())
-        return torch.stack(losses).mean()
+            if y is not None:
+                losses.append(self.loss_fn(x, y))
+            if keep_outputs:
+                outputs.append(x)
+        return _mean(losses), torch.cat(outputs) if outputs else None
+
+
+def _mean(losses: list[torch.Tensor]) -> torch.Tensor | None:
+    return torch.stack([loss.detach().float() for loss in losses]).mean() if losses else None
 
 
 def shared_loss(local: torch.Tensor | None, dp: int, device: torch.device) -> torch.Tensor:

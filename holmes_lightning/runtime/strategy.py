@@ -28,6 +28,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import _set_rng_states, reset_seed
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -45,7 +46,15 @@ from holmes_lightning.planner.report import format_plan
 from holmes_lightning.runtime import checkpoint, nccl, resume
 from holmes_lightning.runtime.environment import NICGroupingEnvironment
 from holmes_lightning.runtime.groups import PlanMesh, build_mesh
-from holmes_lightning.runtime.pipeline import Pipeline, check_contract, keep_owned_layers, missing_contract, split_batch
+from holmes_lightning.runtime.hooks import report_step, step_hook
+from holmes_lightning.runtime.pipeline import (
+    Pipeline,
+    check_contract,
+    keep_owned_layers,
+    missing_contract,
+    prediction_inputs,
+    split_batch,
+)
 from holmes_lightning.runtime.placement import choose_device, describe_emulation, host_position
 from holmes_lightning.runtime.sharding import clip_grad_norm_, parallelize
 from holmes_lightning.topology import ClusterSpec, Topology, load_cluster_spec
@@ -130,10 +139,31 @@ class HolmesStrategy(ModelParallelStrategy):
             raise RuntimeError("HolmesStrategy: no plan yet; it is made in setup_environment, once processes joined")
         return self.plan
 
+    @override
     def connect(self, model: pl.LightningModule) -> None:
+        """Refuse a model the requested pipeline cannot run here, before any process group exists."""
         if self.options.pp not in (None, 1):
             check_contract(model, self.options.pp)
+            if model.trainer.state.fn == TrainerFn.FITTING:
+                _check_automatic_optimization(model, f"pp={self.options.pp}")
         super().connect(model)
+
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        return ModelParallelStrategy.precision_plugin.fget(self)
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        """Lightning hands the precision over in Trainer(), before any process starts: refuse fp16 with loss scaling."""
+        if plugin is not None and plugin.precision == "16-mixed":
+            raise ValueError(
+                "HolmesStrategy cannot train with precision='16-mixed': its GradScaler is not sharding-aware (each "
+                "FSDP shard and pipeline stage would check for inf/NaN and skip steps on its own); use "
+                "precision='bf16-mixed' (no loss scaling needed) or '32-true'"
+            )
+        ModelParallelStrategy.precision_plugin.fset(self, plugin)
 
     @override
     def _configure_launcher(self) -> None:
@@ -299,6 +329,14 @@ class HolmesStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         if self._prepared is not self.lightning_module:
             self._prepare(self.lightning_module)
+        if self.pipeline is not None and trainer.state.fn == TrainerFn.FITTING:
+            plan = self._require_plan()
+            _check_automatic_optimization(self.lightning_module, f"{plan.num_virtual_stages} pipeline stages")
+        # Lightning evaluates and predicts under torch.inference_mode except on gloo and for its own FSDPStrategy
+        # (loops/utilities.py `_no_grad_context`, pytorch/pytorch#95957); FSDP2's collectives on NCCL reject inference
+        # tensors as well, so this strategy runs them under torch.no_grad, as Lightning does for FSDPStrategy.
+        for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
+            loop.inference_mode = False
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -325,8 +363,6 @@ class HolmesStrategy(ModelParallelStrategy):
             parallelize(module, layers=layers, mesh=mesh.dp_mesh, plan=active_plan, mp_policy=policy)
         else:  # virtual stages, possibly all on this rank (pp=1, Interleaved1F1B)
             check_contract(module, active_plan.pp)
-            if self.precision_plugin.precision == "16-mixed":
-                raise ValueError("HolmesStrategy pipelines train in fp32 or bf16: use precision='bf16-mixed'")
             keep_owned_layers(module, layers, set(stage.layers))
             module.example_input_array = None  # the whole forward no longer runs here (model summary would call it)
             chunks = [nn.Sequential(*layers[start:stop]) for start, stop in stage.chunks]
@@ -348,20 +384,23 @@ class HolmesStrategy(ModelParallelStrategy):
         self._parameters = list(module.parameters())
         self._prepared = module
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        assert self.lightning_module is not None
+        module = self.lightning_module
+        assert module is not None
         if self.pipeline is None:  # through the module's own forward, so FSDP's root hooks run
             with self.precision_plugin.train_step_context():
-                module = self.lightning_module
                 return self._forward_redirection(module, module, "training_step", *args, **kwargs)
         inputs, targets = split_batch(args[0])
+        keep_outputs = step_hook(module, "training_step") is not None
         earlier = _swap_grads(self._parameters, [None] * len(self._parameters))
         with self.precision_plugin.train_step_context():
-            loss = self.pipeline.train_step(inputs, targets)
+            result = self.pipeline.train_step(inputs, targets, keep_outputs=keep_outputs)
         self._step_grads = _swap_grads(self._parameters, earlier)
-        self.lightning_module.log("train_loss", loss, prog_bar=True, batch_size=inputs.shape[0])
-        return loss
+        report_step(module, self.pipeline, step="training_step", result=result, targets=targets, step_args=args[1:])
+        return result.loss
 
+    @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Any:
         """Pipelined: add the gradients of this step's schedule (scaled for accumulation) instead of autograd."""
         if self.pipeline is None:
@@ -382,27 +421,50 @@ class HolmesStrategy(ModelParallelStrategy):
         self.post_backward(closure_loss)
         return closure_loss
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluate("validation_step", "val_loss", *args, **kwargs)
+        return self._evaluate("validation_step", *args, **kwargs)
 
+    @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluate("test_step", "test_loss", *args, **kwargs)
+        return self._evaluate("test_step", *args, **kwargs)
 
-    def _evaluate(self, hook: str, name: str, *args: Any, **kwargs: Any) -> Any:
+    def _evaluate(self, step: str, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
         assert module is not None
         with self.precision_plugin.val_step_context():
             if self.pipeline is None:
-                return self._forward_redirection(module, module, hook, *args, **kwargs)
+                return self._forward_redirection(module, module, step, *args, **kwargs)
             inputs, targets = split_batch(args[0])
-            loss = self.pipeline.eval_step(inputs, targets)
-        module.log(name, loss, prog_bar=True, sync_dist=True, batch_size=inputs.shape[0])
-        return loss
+            keep_outputs = step_hook(module, step) is not None
+            result = self.pipeline.eval_step(inputs, targets, keep_outputs=keep_outputs)
+        report_step(module, self.pipeline, step=step, result=result, targets=targets, step_args=args[1:])
+        return result.loss
 
+    @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.pipeline is not None:
-            raise NotImplementedError("HolmesStrategy predicts with pp=1 only; use HolmesStrategy(pp=1) to predict")
-        return super().predict_step(*args, **kwargs)
+        """Pipelined: the last stage's outputs for the batch's inputs; None on the other stages."""
+        if self.pipeline is None:
+            return super().predict_step(*args, **kwargs)
+        with self.precision_plugin.predict_step_context():
+            return self.pipeline.predict_step(prediction_inputs(args[0]))
+
+    def gather_predictions(self, predictions: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        """The predictions of every DP replica as one tensor in the predict DataLoader's order, on every rank.
+
+        Call it on every rank with what `trainer.predict` returned there (per batch: the last stage's outputs on its
+        ranks, None on the other stages). Lightning's predict sampler gives DP replica d the samples d, d + dp, ...
+        of the DataLoader's order (keep shuffle off), so the replicas' rows interleave back.
+        """
+        plan = self._require_plan()
+        everyone: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(everyone, list(predictions))
+        last = next(stage for stage in plan.stages if plan.holds_last(stage.index))
+        replicas = [torch.cat(everyone[rank]) for rank in last.ranks]
+        merged = replicas[0].new_empty((sum(len(rows) for rows in replicas), *replicas[0].shape[1:]))
+        for index, rows in enumerate(replicas):
+            merged[index :: len(replicas)] = rows
+        return merged
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -458,6 +520,16 @@ def _swap_grads(params: list[nn.Parameter], grads: list[torch.Tensor | None]) ->
     for param, grad in zip(params, grads, strict=True):
         param.grad = grad
     return held
+
+
+def _check_automatic_optimization(module: pl.LightningModule, pipeline: str) -> None:
+    if not module.automatic_optimization:
+        raise ValueError(
+            f"HolmesStrategy with {pipeline} needs Lightning's automatic optimization: the pipeline schedule runs "
+            f"forward and backward itself, and Lightning steps the optimizers, clips and accumulates around it; remove "
+            f"`self.automatic_optimization = False` from {type(module).__name__} (and its manual optimizer calls), "
+            f"or train without a pipeline: HolmesStrategy(pp=1) with a schedule that is not interleaved"
+        )
 
 
 def _check_arguments(options: PlanOptions, **counts: int | None) -> None:

@@ -1,0 +1,96 @@
+"""The LightningModule's own step hooks under pipelining, and how what they log reaches every rank.
+
+With a pipeline the schedule runs in place of the module's training_step / validation_step / test_step. After each
+step HolmesStrategy calls the module's matching hook, where it defines one, on the ranks that hold the last stage
+(the only ranks with outputs):
+
+    def pipeline_training_step(self, loss, outputs, targets, batch_idx): ...
+    def pipeline_validation_step(self, loss, outputs, targets, batch_idx, dataloader_idx=0): ...
+    def pipeline_test_step(self, loss, outputs, targets, batch_idx, dataloader_idx=0): ...
+
+`loss` is the step's mean loss over all DP replicas, `outputs` and `targets` are this DP replica's (the last stage's
+outputs for the whole replica batch). What the hook logs with `self.log` / `self.log_dict` is recorded there and
+logged again with the same arguments on every rank of the pipeline, so Lightning sees each rank log the same names in
+the same order: `sync_dist=True` averages over DP replicas, and rank 0's loggers get the values wherever rank 0 sits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torchmetrics import Metric
+
+from holmes_lightning.runtime.pipeline import Pipeline, StepResult
+
+STEP_HOOKS = {
+    "training_step": "pipeline_training_step",
+    "validation_step": "pipeline_validation_step",
+    "test_step": "pipeline_test_step",
+}
+DEFAULT_LOSS_NAMES = {"training_step": "train_loss", "validation_step": "val_loss", "test_step": "test_loss"}
+
+LogCall = tuple[str, Any, tuple[Any, ...], dict[str, Any]]
+
+
+def step_hook(module: pl.LightningModule, step: str) -> Callable[..., None] | None:
+    """The module's hook for `step` ("training_step", ...), or None: the last stage keeps outputs only for a hook."""
+    hook = getattr(module, STEP_HOOKS[step], None)
+    return hook if callable(hook) else None
+
+
+def report_step(
+    module: pl.LightningModule,
+    pipeline: Pipeline,
+    *,
+    step: str,
+    result: StepResult,
+    targets: torch.Tensor,
+    step_args: tuple[Any, ...],
+) -> None:
+    """Log one pipelined step: through the module's hook for `step`, else its loss as train_loss/val_loss/test_loss."""
+    hook = step_hook(module, step)
+    if hook is None:
+        evaluating = step != "training_step"
+        module.log(DEFAULT_LOSS_NAMES[step], result.loss, prog_bar=True, sync_dist=evaluating, batch_size=len(targets))
+        return
+    calls: list[LogCall] = []
+    if pipeline.is_last:
+        with _recorded_logs(module) as calls:
+            hook(result.loss, result.outputs, targets, *step_args)
+    if pipeline.pp_group.size() > 1:
+        shared = [[(name, _portable(value), args, kwargs) for name, value, args, kwargs in calls]]
+        dist.broadcast_object_list(shared, group=pipeline.pp_group, group_src=pipeline.last_stage)
+        calls = calls if pipeline.is_last else shared[0]
+    for name, value, args, kwargs in calls:
+        module.log(name, value.to(module.device) if torch.is_tensor(value) else value, *args, **kwargs)
+
+
+@contextmanager
+def _recorded_logs(module: pl.LightningModule) -> Iterator[list[LogCall]]:
+    """Record instead of log what `module.log` is given (log_dict calls it too) while the hook runs."""
+    calls: list[LogCall] = []
+
+    def record(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(value, Metric):
+            raise TypeError(
+                f"{type(module).__name__}: self.log({name!r}, <{type(value).__name__}>) in a pipeline hook: the hook "
+                f"runs on the last stage only, so a torchmetrics Metric there has no state on the other stages; log "
+                f"its value for this step instead, e.g. self.log({name!r}, self.metric(outputs, targets))"
+            )
+        calls.append((name, value, args, kwargs))
+
+    module.log = record  # an instance attribute shadows the method while the hook runs
+    try:
+        yield calls
+    finally:
+        del module.log
+
+
+def _portable(value: Any) -> Any:
+    """A logged value as it can travel to another rank: tensors detached on the CPU, numbers as they are."""
+    return value.detach().cpu() if torch.is_tensor(value) else value
