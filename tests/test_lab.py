@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from pictures import colour_blocks
 
 from holmes_lightning.config import ConfigError
 from holmes_lightning.lab import plan_lab, run_in_lab
@@ -159,7 +160,8 @@ def test_probe_measures_configured_rate_per_link_class(tmp_path, capfd):
     for source in ("links", "raw_tcp"):  # gloo send/recv and a plain TCP socket
         for link_class, gbps in data[source].items():
             assert gbps == pytest.approx(data["configured"][link_class], rel=TOLERANCE), (source, link_class, output)
-    assert picture.stat().st_size > 10_000
+    for series in ("C0", "C1", "C2"):  # configured, gloo, raw TCP: one bar per link class, plus the legend's handle
+        assert colour_blocks(picture, series) == len(data["configured"]) + 1, series
     measured = Topology.from_config("two_cluster_mixed", measured=str(out))
     assert measured.link(0, 1).gbps == data["links"]["rdma:A"]  # the probe writes the keys Topology reads
     assert measured.link(0, 2).gbps == data["links"]["inter_cluster"]
