@@ -14,6 +14,8 @@ import os
 import signal
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -41,19 +43,46 @@ def run_ranks(
     with tempfile.TemporaryDirectory() as out:
         command = [sys.executable, str(Path(__file__).resolve()), target, json.dumps(kwargs), out]
 
-        def expire(_signum: int, _frame: object) -> None:
-            raise TimeoutError(f"{target} on {topology.world_size} ranks ran past {timeout_s} s")
-
-        previous = signal.signal(signal.SIGALRM, expire)
-        signal.alarm(int(timeout_s))
-        try:
+        with deadline(timeout_s, f"{target} on {topology.world_size} ranks"):
             code = launch(command, topology, node_env=(lambda _node: env) if env else None, grace_s=5)
-        finally:
-            signal.alarm(0)
-            signal.signal(signal.SIGALRM, previous)
         if code != 0:
             raise RuntimeError(f"{target} failed on some rank with exit code {code} (rank output is above)")
         return [json.loads(Path(out, f"rank{rank}.json").read_text()) for rank in range(topology.world_size)]
+
+
+@contextmanager
+def deadline(seconds: float, what: str) -> Iterator[None]:
+    """Raise TimeoutError in the block once it has run `seconds`: a guard against a hang, not a speed check."""
+
+    def expire(_signum: int, _frame: object) -> None:
+        raise TimeoutError(f"{what} ran past {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(int(seconds))
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def one_rank_fails_while_the_others_wait(failing_rank: int, failure: str, ready_dir: Path) -> list[str]:
+    """A command for every rank: each rank but `failing_rank` prints its pid and waits until a signal stops it
+    (SIGTERM: it says so on stderr); `failing_rank` runs the Python statement `failure` once all the others wait."""
+    script = f"""
+import os, signal, sys, time
+from pathlib import Path
+rank, world, ready = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), Path({str(ready_dir)!r})
+if rank == {failing_rank}:
+    while len(list(ready.iterdir())) < world - 1:
+        time.sleep(0.05)
+    {failure}
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(f"rank {{rank}} stopped by SIGTERM"))
+print(os.getpid(), flush=True)
+(ready / str(rank)).touch()
+signal.pause()
+"""
+    return [sys.executable, "-c", script]
 
 
 class TinyMLP(L.LightningModule):

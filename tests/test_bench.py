@@ -1,6 +1,7 @@
 """The benchmark's planning and reporting without the lab (the runs: `python -m holmes_lightning.bench`)."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -8,13 +9,13 @@ from holmes_lightning.bench.calibrate import Calibration, profile_gpt
 from holmes_lightning.bench.config import VARIANTS, BenchSettings
 from holmes_lightning.bench.report import draw, markdown, regime, targets, write_json
 from holmes_lightning.bench.runner import summarize
-from holmes_lightning.bench.variants import Hardware, plan_variants
+from holmes_lightning.bench.variants import REFERENCE, Hardware, plan_variants
 from holmes_lightning.config import ConfigError, ModelConfig
 from holmes_lightning.planner import PlanOptions
 from holmes_lightning.topology import Topology
 
 
-def test_every_variant_is_planned_and_reported(tmp_path):
+def test_every_variant_is_planned_and_reported(tmp_path, saved_figures):
     settings = BenchSettings(model=ModelConfig(n_layers=4, d_model=64, n_heads=4, seq_len=16), global_batch=8)
     profile = profile_gpt(settings.model)
     calibration = Calibration(10.0, 4e-3, 5e-3, 0.5, 5e-3, 1e-3, 5.0, 1e-4, "test")
@@ -44,8 +45,16 @@ def test_every_variant_is_planned_and_reported(tmp_path):
     assert measured["Holmes hybrid / FSDPStrategy"] == pytest.approx(plans["fsdp"].prediction.total_s / hybrid)
     write_json(tmp_path / "r.json", results, context, check)
     assert len(json.loads((tmp_path / "r.json").read_text())["runs"]) == 7
-    draw(tmp_path / "r.png", results)
-    assert (tmp_path / "r.png").stat().st_size > 10_000
+
+    drawn = [replace(r, median_s=r.median_s * (1 + i / 10)) for i, r in enumerate(results)]  # unlike the predictions
+    draw(tmp_path / "r.png", drawn)
+    (figure,) = saved_figures
+    (axes,) = figure.axes
+    measured, predicted = axes.containers
+    assert [bar.get_height() for bar in measured] == pytest.approx([r.median_s for r in drawn])
+    assert [bar.get_height() for bar in predicted] == pytest.approx([r.predicted_s for r in drawn])
+    reference = next(r.median_s for r in drawn if r.name == REFERENCE)
+    assert [text.get_text() for text in axes.texts] == [f"{r.median_s / reference:.2f}x" for r in drawn]
 
 
 def test_bad_settings_name_the_field():

@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SUMMARY = re.compile(
     r"holmes: (\d+) steps, train loss ([\d.]+) -> ([\d.]+) \| ([\d,]+) tokens/s \| model ([\d.]+) TFLOPS"
 )
+DEPRECATION = re.compile(r"^.*(?:deprecat|FutureWarning).*$", re.IGNORECASE | re.MULTILINE)  # e.g. _pytree LeafSpec
 
 
 def run_train(*args: str, command: tuple[str, ...] = ("train.py",), timeout: int = 600) -> subprocess.CompletedProcess:
@@ -48,6 +49,7 @@ def test_default_job_trains_on_the_two_cluster_topology(tmp_path):
     out = run_train("cluster=two_cluster_mixed", f"output_dir={tmp_path}")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "starting 4 ranks" in out.stdout
+    assert DEPRECATION.findall(out.stdout + out.stderr) == []
     steps, first, last, tokens_per_s, tflops = summary_of(out)
     assert steps == 30
     assert last < first - 1.0
@@ -65,6 +67,7 @@ def test_under_torchrun_the_script_is_one_rank_and_logs_to_wandb_offline(tmp_pat
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "starting" not in out.stdout  # torchrun started the ranks; the script did not launch its own
+    assert DEPRECATION.findall(out.stdout + out.stderr) == []
     steps, first, last, _, _ = summary_of(out)
     assert steps == 6 and last < first
     (run_dir,) = [p for p in tmp_path.iterdir() if p.name != "checkpoints"]  # one for the job, not one per rank

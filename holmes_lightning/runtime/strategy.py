@@ -10,6 +10,7 @@ set aside, and backward adds them, which keeps accumulation, clipping, hooks and
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import replace
 from datetime import timedelta
@@ -105,6 +106,15 @@ class HolmesStrategy(ModelParallelStrategy):
         self.options = replace(options or PlanOptions(), **{k: v for k, v in given.items() if v is not None})
         _check_arguments(self.options, microbatches=microbatches, global_batch=global_batch)
         self.options.sharding = Sharding(self.options.sharding)
+        # Lightning 2.6's CombinedLoader flattens every batch with `lightning/pytorch/utilities/_pytree.py`
+        # `_tree_flatten`, which builds `LeafSpec()`; torch >= 2.10 deprecates that class, so each rank printed a
+        # FutureWarning once per run (Lightning-AI/pytorch-lightning#21326). Only that message from that module.
+        warnings.filterwarnings(
+            "ignore",
+            message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+            category=FutureWarning,
+            module=r"lightning\.pytorch\.utilities\._pytree",
+        )
         seconds = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
         super().__init__(process_group_backend=process_group_backend, timeout=seconds)
         self.cluster = cluster
