@@ -1,5 +1,6 @@
 """Measure what the planner plans with: pipeline layers on one micro-batch (FLOPs with FlopCounterMode, bytes from
-tensors, optional timing) and this CPU's speed. It feeds the pure-Python planner and is never imported by it.
+tensors, optional timing) and this CPU's speed; and a process's resident memory, to check the planner's estimate.
+It feeds the pure-Python planner and is never imported by it.
 
 Layers on the meta device (a model too big for one rank) are profiled on meta tensors: FLOPs and bytes come from
 shapes alone, nothing is allocated.
@@ -8,9 +9,11 @@ shapes alone, nothing is allocated.
 from __future__ import annotations
 
 import os
+import resource
 import statistics
 import time
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -167,3 +170,14 @@ def first_sample(loader: Iterable) -> object:
     if isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset):
         return loader.collate_fn([loader.dataset[0]])
     return next(iter(loader))
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (Linux: /proc/self/statm)."""
+    resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return resident_pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_resident_bytes() -> int:
+    """The most resident memory this process has held so far (Linux reports kilobytes)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

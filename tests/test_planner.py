@@ -273,12 +273,7 @@ def test_gloo_fsdp_pays_an_all_reduce_for_its_reduce_scatter():
 
 
 def test_auto_sharding_picks_replicas_on_gloo_fsdp_on_nccl_and_fsdp_when_replicas_do_not_fit():
-    """Pipelined FSDP keeps a stage's weights gathered and its gradients unsharded: it saves memory from dp=3 on."""
-    clusters = [
-        {"name": "A", "nodes": 4, "nic": {"kind": "infiniband", "gbps": 200}},
-        {"name": "B", "nodes": 4, "nic": {"kind": "roce", "gbps": 200}},
-    ]
-    topology = Topology.from_config({"name": "four_per_cluster", "devices_per_node": 1, "clusters": clusters})
+    topology = Topology.from_config("two_cluster_mixed")
     batch = BatchSettings(global_batch=16)
     assert plan(topology, GPT_SMALL, batch, PlanOptions(backend="gloo", pp=2)).sharding == "none"
     assert plan(topology, GPT_SMALL, batch, PlanOptions(backend="nccl", pp=2)).sharding == "fsdp"

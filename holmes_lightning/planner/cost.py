@@ -81,11 +81,16 @@ class CostModel:
         FSDP shards weights, gradients and optimizer states over the DP group, and holds unsharded copies besides:
         in a pipeline the stage's whole weights stay gathered for the step and its gradients accumulate unsharded
         over the micro-batches; without one, about two layers' worth of each (the layer computing, the prefetched).
+        A pipelined step also keeps the previous step's gradients while its schedule runs (HolmesStrategy sets them
+        aside until Lightning zeroes them): one more copy of the rank's gradients.
         """
-        if self.sharding is not Sharding.fsdp or dp == 1:
-            return param_bytes * self.state_multiplier + stash_bytes
-        unsharded = param_bytes if pipelined else min(param_bytes, 2 * self.largest_layer_bytes)
-        return param_bytes / dp * self.state_multiplier + 2 * unsharded + stash_bytes
+        sharded = self.sharding is Sharding.fsdp and dp > 1
+        held = param_bytes / dp if sharded else param_bytes
+        stale_grads = held if pipelined else 0.0
+        total = held * self.state_multiplier + stale_grads + stash_bytes
+        if sharded:
+            total += 2 * (param_bytes if pipelined else min(param_bytes, 2 * self.largest_layer_bytes))
+        return total
 
     @cached_property
     def largest_layer_bytes(self) -> float:

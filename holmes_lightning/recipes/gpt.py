@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics import Metric
 
-from holmes_lightning.runtime.materialize import init_layers
+from holmes_lightning import init_layers
 
 
 class CausalSelfAttention(nn.Module):

@@ -84,8 +84,8 @@ def materialize(
 ) -> None:
     """Allocate the owned layers' tensors on `device` (FSDP: the local shard only), then fill each from its twin.
 
-    `twins` (from `meta_twins`, before sharding) name the owned layers. Each twin is allocated in full on the CPU,
-    initialised, copied in (DTensor parameters take their local shard) and dropped before the next one.
+    `twins` (from `meta_twins`, before sharding) name the owned layers; they are used up. Each twin is allocated in
+    full on the CPU, initialised, copied in (DTensor parameters take their local shard) and dropped before the next.
     """
     for index in twins:
         layers[index]._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
@@ -95,8 +95,8 @@ def materialize(
             f"{type(model).__name__} keeps {stray[:5]} on the meta device outside its pipeline_layers(); only the "
             f"layers are materialised: create other tensors on a real device (e.g. `with torch.device('cpu'):`)"
         )
-    for index, twin in twins.items():
-        twin.to_empty(device="cpu")
+    for index in list(twins):
+        twin = twins.pop(index).to_empty(device="cpu")  # dropped after its copy: one full layer at a time
         init_layer(model, twin, index=index, seed=seed)
         _copy_into(layers[index], twin)
 
