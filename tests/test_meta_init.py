@@ -1,9 +1,9 @@
 """Models bigger than a rank: built on the meta device, each rank allocates and initialises only its stage's layers.
 
 A model that is not from recipes/ (built in `configure_model` or under `trainer.init_module(empty_init=True)`, no
-`example_input_array`, a layer with a buffer, a custom `init_layer`) trains on pp=2 x dp=2 with FSDP and with
-replicas to the losses of one process that built it whole, and a fresh `trainer.validate` plans from the validation
-DataLoader. One 4-rank launch runs every case.
+`example_input_array`, a train_dataloader() sized by the plan, a layer with a buffer, a custom `init_layer`) trains on
+pp=2 x dp=2 with FSDP and with replicas to the losses of one process that built it whole, and a fresh
+`trainer.validate` plans from the validation DataLoader. One 4-rank launch runs every case.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 from distributed import CLASSES, FEATURES, LossRecorder, run_ranks, tiny_loader
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
 
 from holmes_lightning.runtime.materialize import init_layer, init_layers, layer_seed
 
@@ -87,6 +88,9 @@ class MetaMLP(L.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=0.01)
 
+    def train_dataloader(self) -> DataLoader:  # sized by the plan, read by the strategy before it plans
+        return tiny_loader(STEPS * GLOBAL_BATCH, self.trainer.strategy.replica_batch_size)
+
 
 CASES = {
     "fsdp_configure_model": {"sharding": "fsdp", "build_in": "configure_model"},
@@ -139,7 +143,10 @@ def meta_cases() -> dict[str, Any]:
                 model = MetaMLP(meta=False, build_in="init")  # init_module puts it on meta
         else:
             model = MetaMLP(meta=True, build_in="configure_model")
-        trainer.fit(model, tiny_loader(STEPS * GLOBAL_BATCH, GLOBAL_BATCH // DP))
+        if case["build_in"] == "init":
+            trainer.fit(model)  # its own train_dataloader()
+        else:
+            trainer.fit(model, tiny_loader(STEPS * GLOBAL_BATCH, GLOBAL_BATCH // DP))
         stage = strategy.plan.stages[strategy.plan_mesh.stage]
         results[name] = {"losses": recorder.losses, "held": _held(model), "layers": stage.layers}
     L.seed_everything(SEED)
@@ -150,7 +157,7 @@ def meta_cases() -> dict[str, Any]:
     return results
 
 
-def _val_loader() -> torch.utils.data.DataLoader:
+def _val_loader() -> DataLoader:
     return tiny_loader(2 * GLOBAL_BATCH, GLOBAL_BATCH // DP, shuffle=False)
 
 

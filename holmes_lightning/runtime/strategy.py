@@ -139,6 +139,7 @@ class HolmesStrategy(ModelParallelStrategy):
         self.plan_mesh: PlanMesh | None = None
         self.pipeline: Pipeline | None = None
         self._prepared: nn.Module | None = None
+        self._profiling = False
         self._parameters: list[nn.Parameter] = []
         self._step_grads: list[torch.Tensor | None] | None = None
         self._resumed_rng: dict[str, Any] | None = None
@@ -146,7 +147,12 @@ class HolmesStrategy(ModelParallelStrategy):
 
     @property
     def replica_batch_size(self) -> int:
-        """Samples per training step that each DP replica's DataLoader must yield (global batch / dp)."""
+        """Samples per training step that each DP replica's DataLoader must yield (global batch / dp).
+
+        1 while the strategy reads one sample of a DataLoader to profile the model, before there is a plan.
+        """
+        if self._profiling:
+            return 1
         return self._require_plan().replica_batch
 
     @property
@@ -314,12 +320,14 @@ class HolmesStrategy(ModelParallelStrategy):
             param_bytes = float(sum(p.numel() * p.element_size() for p in module.parameters()))
             return ModelProfile(type(module).__name__, (LayerProfile("model", 0.0, 0.0, param_bytes, 0.0, 0.0),), 1)
         states = _collect_rng_states()
+        self._profiling = True
         try:
             sample = module.example_input_array
             if not torch.is_tensor(sample):
                 sample = _sample_inputs(trainer, type(module).__name__)
             return profile_modules(module.pipeline_layers(), sample, name=type(module).__name__)
         finally:
+            self._profiling = False
             _set_rng_states(states)
 
     def _check_given_plan(self, given: Plan) -> Plan:
