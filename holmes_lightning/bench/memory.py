@@ -181,7 +181,7 @@ def draw(path: Path, rows: list[MemoryRow]) -> None:
     ax.set_xticks(list(positions), [f"{r.variant.removeprefix('memory_')}\nrank {r.rank}" for r in rows], fontsize=8)
     ax.set_ylabel("GB resident")
     ax.set_title("Peak memory per rank")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
