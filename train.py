@@ -13,6 +13,7 @@ from dataclasses import asdict
 
 import hydra
 import lightning as L
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
@@ -121,17 +122,18 @@ def train(config: TrainConfig, topology: Topology, strategy: HolmesStrategy, run
     """This rank's part of the job: the GPT recipe under HolmesStrategy, then a one-line summary on rank 0."""
     L.seed_everything(config.seed, workers=True)
     shape, opt = config.model, config.trainer
-    model = GPT(
-        n_layers=shape.n_layers,
-        d_model=shape.d_model,
-        n_heads=shape.n_heads,
-        seq_len=shape.seq_len,
-        vocab_size=shape.vocab_size,
-        dropout=shape.dropout,
-        learning_rate=opt.learning_rate,
-        warmup_steps=opt.warmup_steps,
-        weight_decay=opt.weight_decay,
-    )
+    with torch.device("meta"):  # no storage yet: each rank allocates and initialises only its stage's layers
+        model = GPT(
+            n_layers=shape.n_layers,
+            d_model=shape.d_model,
+            n_heads=shape.n_heads,
+            seq_len=shape.seq_len,
+            vocab_size=shape.vocab_size,
+            dropout=shape.dropout,
+            learning_rate=opt.learning_rate,
+            warmup_steps=opt.warmup_steps,
+            weight_decay=opt.weight_decay,
+        )
     data = ByteCorpusDataModule(
         seq_len=shape.seq_len,
         global_batch=config.data.global_batch,

@@ -1,15 +1,24 @@
 """Measure what the planner plans with: pipeline layers on one micro-batch (FLOPs with FlopCounterMode, bytes from
-tensors, optional timing) and this CPU's speed. It feeds the pure-Python planner and is never imported by it."""
+tensors, optional timing) and this CPU's speed; and a process's resident memory, to check the planner's estimate.
+It feeds the pure-Python planner and is never imported by it.
+
+Layers on the meta device (a model too big for one rank) are profiled on meta tensors: FLOPs and bytes come from
+shapes alone, nothing is allocated.
+"""
 
 from __future__ import annotations
 
 import os
+import resource
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.flop_counter import FlopCounterMode
 
 from holmes_lightning.planner.profile import LayerProfile, ModelProfile
@@ -21,7 +30,8 @@ def profile_modules(
     """Profile `modules` applied in sequence to one micro-batch `sample` (samples first).
 
     `time_repeats > 0` also times each layer's forward and backward (median of that many runs) on this machine;
-    the seconds then stand for the topology's fastest device (`measured_tflops=None`).
+    the seconds then stand for the topology's fastest device (`measured_tflops=None`). On meta layers the sample
+    moves to the meta device and nothing is timed.
     """
     layers, tokens = measure_layers(list(modules), sample, time_repeats)
     return ModelProfile(name, tuple(layers), tokens_per_sample=tokens)
@@ -30,25 +40,44 @@ def profile_modules(
 def measure_layers(
     modules: list[nn.Module], sample: torch.Tensor, time_repeats: int = 0
 ) -> tuple[list[LayerProfile], int]:
-    """Per-sample profiles of `modules` applied in order to `sample` (batch first), and the tokens per sample."""
+    """Per-sample profiles of `modules` applied in order to `sample` (batch first), and the tokens per sample.
+
+    The last layer's stash also counts two tensors of its output's size: the output itself, which the pipeline keeps
+    for the loss, and what the loss keeps for its backward (cross-entropy's log-probabilities).
+    """
     if not modules:
         raise ValueError("profile_modules: the module list is empty; pass the model's pipeline_layers()")
+    on_meta = any(p.is_meta for module in modules for p in module.parameters())
+    if on_meta:
+        sample, time_repeats = sample.to("meta"), 0
     batch = sample.shape[0]
     tokens = sample[0].numel()
     layers = []
     x = sample
     for index, module in enumerate(modules):
         inputs = x.detach().requires_grad_(True) if x.is_floating_point() else x
-        forward_flops, backward_flops, stash, out = _count(module, inputs)
+        try:
+            forward_flops, backward_flops, stash, out = _count(module, inputs)
+        except (NotImplementedError, RuntimeError) as error:
+            if not on_meta:
+                raise
+            raise RuntimeError(
+                f"profiling layer {index} ({type(module).__name__}) on the meta device failed: {error}. A layer that "
+                f"reads its values (e.g. .item(), boolean masks) cannot run on meta tensors; pass "
+                f"HolmesStrategy(profile=ModelProfile(...)) or build the model on a real device"
+            ) from error
         seconds = _time(module, inputs, time_repeats) if time_repeats > 0 else (None, None)
         param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+        output_bytes = out.numel() * out.element_size()
+        if index == len(modules) - 1:
+            stash += 2 * output_bytes
         layers.append(
             LayerProfile(
                 name=f"{index}:{type(module).__name__}",
                 forward_flops=forward_flops / batch,
                 backward_flops=backward_flops / batch,
                 param_bytes=float(param_bytes),
-                activation_bytes=out.numel() * out.element_size() / batch,
+                activation_bytes=output_bytes / batch,
                 stash_bytes=stash / batch,
                 forward_s=None if seconds[0] is None else seconds[0] / batch,
                 backward_s=None if seconds[1] is None else seconds[1] / batch,
@@ -59,13 +88,17 @@ def measure_layers(
 
 
 def _count(module: nn.Module, inputs: torch.Tensor) -> tuple[float, float, float, torch.Tensor]:
-    """Forward FLOPs, backward FLOPs, bytes autograd saves for backward (parameters excluded), and the output."""
-    param_ptrs = {p.data_ptr() for p in module.parameters()}
-    saved: dict[int, int] = {}
+    """Forward FLOPs, backward FLOPs, bytes autograd saves for backward (parameters excluded), and the output.
+
+    Saved tensors count once per storage they hold (views of one tensor share it), which also works on meta tensors.
+    """
+    params = {StorageWeakRef(p.untyped_storage()) for p in module.parameters()}
+    saved: dict[StorageWeakRef, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.data_ptr() not in param_ptrs:
-            saved[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+        storage = StorageWeakRef(tensor.untyped_storage())
+        if storage not in params:
+            saved[storage] = tensor.untyped_storage().nbytes()
         return tensor
 
     hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
@@ -126,3 +159,25 @@ def rank_share(world_size: int) -> float:
 def cpu_rank_gflops(world_size: int) -> float:
     """What one of `world_size` single-thread ranks on this machine computes: its core share of `cpu_gflops`."""
     return cpu_gflops() * rank_share(world_size)
+
+
+def first_sample(loader: Iterable) -> object:
+    """One sample of `loader` as its batches come (collated, batch of one), without iterating it when possible.
+
+    A DataLoader over a map-style dataset collates `dataset[0]` (no sampler, workers or random draws); any other
+    iterable gives its first batch.
+    """
+    if isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset):
+        return loader.collate_fn([loader.dataset[0]])
+    return next(iter(loader))
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (Linux: /proc/self/statm)."""
+    resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return resident_pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_resident_bytes() -> int:
+    """The most resident memory this process has held so far (Linux reports kilobytes)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

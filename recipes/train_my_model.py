@@ -17,7 +17,6 @@ class MyModel(L.LightningModule):
     def __init__(self):
         super().__init__()
         self.layers = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-        self.example_input_array = torch.zeros(1, 32)  # the planner measures pipeline_layers() on it
 
     def pipeline_layers(self):  # applied in order, they map inputs to outputs; each stage gets a run of them
         return list(self.layers)

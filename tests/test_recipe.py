@@ -114,8 +114,9 @@ def test_datamodule_split_and_batches_are_deterministic():
 
 def test_validation_split_smaller_than_a_batch_is_refused():
     module = ByteCorpusDataModule(seq_len=128, global_batch=16, corpus_bytes=20_000, val_fraction=0.05)
+    module.setup("fit")
     with pytest.raises(ValueError, match="data.val_fraction"):
-        module.setup("fit")
+        module.val_dataloader()
 
 
 def test_short_fit_lowers_loss_and_ends_the_cosine_schedule():

@@ -1,4 +1,6 @@
-"""`python -m holmes_lightning.bench [bench=short|full] [bench.variants=[...]]`: every variant in the lab, one run.
+"""`python -m holmes_lightning.bench [bench=short|full|memory] [bench.variants=[...]]`: every variant, one run.
+
+`bench=memory` measures each rank's peak memory next to the planner's estimate instead (`bench.memory`).
 
 `bench=short` (default, README) takes about 3 minutes on 2 idle cores, `bench=full` (wider model, larger batch,
 8 measured steps) about 8; most of it is process start-up and the flat baselines' slow steps. Needs root for the
@@ -26,6 +28,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from holmes_lightning.bench.config import BenchJobConfig, register_bench_configs
+from holmes_lightning.bench.memory import run_memory_bench
 from holmes_lightning.bench.report import draw, markdown, regime, write_json
 from holmes_lightning.bench.runner import run_bench
 from holmes_lightning.config import register_configs
@@ -39,6 +42,11 @@ def run(config: BenchJobConfig, out_dir: Path) -> Path:
     """Run the benchmark and write its outputs; returns the Markdown file."""
     settings = config.bench
     hybrid = Topology.from_config(config.cluster)
+    if settings.kind == "memory":
+        _, table = run_memory_bench(hybrid, settings, config.strategy, out_dir)
+        print(table)
+        print(f"bench: wrote {out_dir / 'memory.md'}, memory.json and memory.png")
+        return out_dir / "memory.md"
     results, context = run_bench(hybrid, settings, config.strategy, out_dir)
     model = settings.model
     context.update(

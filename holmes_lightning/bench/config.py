@@ -11,11 +11,16 @@ from holmes_lightning.planner import PlanOptions
 from holmes_lightning.topology.spec import ClusterSpec
 
 VARIANTS = ("holmes_hybrid", "holmes_homogeneous", "fsdp", "ddp", "nic_unaware", "holmes_unequal", "uniform_unequal")
+MEMORY_VARIANTS = ("memory_fsdp", "memory_replicas", "memory_eager")
+KINDS = {"speed": VARIANTS, "memory": MEMORY_VARIANTS}
 
 
 @dataclass
 class BenchSettings:
     """One benchmark size: the model, batch and steps every variant runs, and how the cost model is calibrated.
+
+    `kind`: "speed" (step times in the lab, `VARIANTS`) or "memory" (each rank's peak memory next to the planner's
+    estimate, on loopback, `MEMORY_VARIANTS`).
 
     `slow_cluster` runs its NIC at `slow_nic_gbps` in the unequal-clusters topology (auto vs uniform partition).
     `bandwidth_scale` None: chosen from this CPU as `lab.scale` does, once, for every variant. What Holmes plans
@@ -23,6 +28,7 @@ class BenchSettings:
     """
 
     name: str = "short"
+    kind: str = "speed"
     model: ModelConfig = field(default_factory=ModelConfig)
     global_batch: int = 8
     warmup_steps: int = 2
@@ -37,9 +43,14 @@ class BenchSettings:
     timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        unknown = [v for v in self.variants if v not in VARIANTS]
-        if unknown or not self.variants:
-            raise ConfigError(f"bench.variants={list(self.variants)!r}: use a non-empty subset of {list(VARIANTS)}")
+        if self.kind not in KINDS:
+            raise ConfigError(f"bench.kind={self.kind!r}: use one of {list(KINDS)}")
+        known = KINDS[self.kind]
+        if not self.variants or any(v not in known for v in self.variants):
+            raise ConfigError(
+                f"bench.variants={list(self.variants)!r}: for bench.kind={self.kind}, use a non-empty subset of "
+                f"{list(known)}"
+            )
         if self.global_batch <= 0:
             raise ConfigError(f"bench.global_batch={self.global_batch!r}: must be > 0 (sequences per step)")
         if self.warmup_steps < 1 or self.measured_steps < 1:

@@ -35,8 +35,8 @@ class RunResult:
     predicted: dict
 
 
-def run_variant(variant: Variant, settings: BenchSettings, scale: float, folder: Path) -> list[list[float]]:
-    """Every rank's step seconds for one variant, run in the lab on the variant's network."""
+def write_spec(variant: Variant, settings: BenchSettings, folder: Path, meta: bool = False) -> Path:
+    """The worker's instructions for one run (`bench.worker`), as `folder/spec.json`."""
     folder.mkdir(parents=True, exist_ok=True)
     spec = {
         "name": variant.name,
@@ -51,11 +51,21 @@ def run_variant(variant: Variant, settings: BenchSettings, scale: float, folder:
         "trace": settings.trace,
         "timeout_s": settings.timeout_s,
         "seed": 1234,
+        "meta": meta,
         "out_dir": str(folder.resolve()),
     }
     spec_path = folder / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=1))
-    command = [sys.executable, "-m", "holmes_lightning.bench.worker", str(spec_path.resolve())]
+    return spec_path
+
+
+def worker_command(spec_path: Path) -> list[str]:
+    return [sys.executable, "-m", "holmes_lightning.bench.worker", str(spec_path.resolve())]
+
+
+def run_variant(variant: Variant, settings: BenchSettings, scale: float, folder: Path) -> list[list[float]]:
+    """Every rank's step seconds for one variant, run in the lab on the variant's network."""
+    command = worker_command(write_spec(variant, settings, folder))
     code = start_ranks(command, variant.topology, LabConfig(mode="emulate", bandwidth_scale=scale))
     if code != 0:
         raise RuntimeError(f"bench: run {variant.name!r} failed with exit code {code}; its ranks' output is above")

@@ -18,6 +18,9 @@ LABELS = {
     "nic_unaware": "pipeline x DP, NIC-unaware layout",
     "holmes_unequal": "Holmes auto partition, unequal clusters",
     "uniform_unequal": "Holmes uniform partition, unequal clusters",
+    "memory_fsdp": "Holmes FSDP, built on meta",
+    "memory_replicas": "Holmes replicas, built on meta",
+    "memory_eager": "Holmes replicas, built whole on every rank",
 }
 
 

@@ -1,7 +1,9 @@
 """One rank of one benchmark run: `python -m holmes_lightning.bench.worker SPEC.json`, started by the lab.
 
 Trains the recipe's GPT on the byte corpus under the variant's strategy for the given steps and writes this rank's
-step times (seconds between consecutive ends of a training step) to `rank<N>.json` in the spec's folder.
+step times (seconds between consecutive ends of a training step) to `rank<N>.json` in the spec's folder, with its
+resident memory just before the model is built (`baseline_rss_bytes`) and at its peak. `spec["meta"]`: build the
+model under `trainer.init_module(empty_init=True)` (HolmesStrategy then allocates only this rank's stage).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,7 @@ from torch.distributed.fsdp import fully_shard
 
 from holmes_lightning.bench.calibrate import gpt
 from holmes_lightning.config import ModelConfig
+from holmes_lightning.measure import peak_resident_bytes, resident_bytes
 from holmes_lightning.planner import Plan
 from holmes_lightning.recipes import ByteCorpusDataModule
 from holmes_lightning.recipes.gpt import GPT
@@ -116,9 +120,19 @@ def run(spec: dict) -> None:
         callbacks=[timer],
         default_root_dir=str(out),
     )
-    model = gpt(model_config, FlatFSDPGPT if spec["strategy"] == "fsdp" else GPT)
+    baseline = resident_bytes()
+    with trainer.init_module(empty_init=True) if spec.get("meta") else nullcontext():
+        model = gpt(model_config, FlatFSDPGPT if spec["strategy"] == "fsdp" else GPT)
     trainer.fit(model, datamodule=data)
-    (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "step_s": timer.seconds}))
+    plan_mesh = getattr(trainer.strategy, "plan_mesh", None)
+    result = {
+        "rank": rank,
+        "step_s": timer.seconds,
+        "stage": None if plan_mesh is None else plan_mesh.stage,
+        "baseline_rss_bytes": baseline,
+        "peak_rss_bytes": peak_resident_bytes(),
+    }
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -62,7 +62,8 @@ class Candidate:
         if memory_limit is not None:
             in_flight = peak_stash(self.orders[stage], [1.0] * self.chunks)
             stash = in_flight * self._range("stash", start, stop) * mb / self.chunks
-            if cost.memory_bytes(params, layout.dp, stash) > memory_limit:
+            pipelined = layout.pp * self.chunks > 1
+            if cost.memory_bytes(params, dp=layout.dp, stash_bytes=stash, pipelined=pipelined) > memory_limit:
                 return None
         return StageCost(compute, send, cost.exposed_sync_s(sync, backward) + cost.update_s(params, layout.dp))
 
@@ -106,7 +107,10 @@ class Candidate:
                     sync_s=sync,
                     exposed_sync_s=cost.exposed_sync_s(sync, sum(backward)),
                     update_s=cost.update_s(params, self.layout.dp),
-                    memory_gb=cost.memory_bytes(params, self.layout.dp, peak) / GB,
+                    memory_gb=cost.memory_bytes(
+                        params, dp=self.layout.dp, stash_bytes=peak, pipelined=pp * self.chunks > 1
+                    )
+                    / GB,
                 )
             )
         return plans

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from holmes_lightning.planner.plan_types import Sharding
 from holmes_lightning.planner.profile import ModelProfile
@@ -21,9 +22,10 @@ class CostModel:
       bytes, 2 (n-1)/n x bytes over the group's slowest link. On `backend="gloo"` a reduce-scatter runs as a whole
       all-reduce, so FSDP moves 3 (n-1)/n x bytes there. The sync starts with the last micro-batch's backward
       (earlier ones accumulate locally); `dp_overlap` is the fraction of it that can run under that backward.
-    - Memory per device: parameters x `state_multiplier` (weights + grads + optimizer states per parameter byte;
-      4 for fp32 Adam), of which FSDP shards all but the unsharded weights over the DP group, plus the activation
-      stash of the micro-batches in flight.
+    - Memory per device, what training allocates beyond the process's own baseline (interpreter, torch, CUDA
+      context): the rank's parameters x `state_multiplier` (weights + grads + optimizer states per parameter byte;
+      4 for fp32 AdamW), FSDP's unsharded weights and gradients, and the activations autograd keeps for the
+      micro-batches in flight (the profile's stash; the last layer's counts the output and the loss's copy of it).
     """
 
     topology: Topology
@@ -73,9 +75,23 @@ class CostModel:
         """The part of the DP sync backward does not hide (`backward_s`: the last micro-batch's backward seconds)."""
         return max(sync_s * (1 - self.dp_overlap), sync_s - backward_s)
 
-    def memory_bytes(self, param_bytes: float, dp: int, stash_bytes: float) -> float:
-        if self.sharding is Sharding.fsdp:
-            states = param_bytes * (1 + (self.state_multiplier - 1) / dp)
-        else:
-            states = param_bytes * self.state_multiplier
-        return states + stash_bytes
+    def memory_bytes(self, param_bytes: float, *, dp: int, stash_bytes: float, pipelined: bool) -> float:
+        """Peak bytes per device of a stage whose `dp` ranks hold `param_bytes` and keep `stash_bytes` of activations.
+
+        FSDP shards weights, gradients and optimizer states over the DP group, and holds unsharded copies besides:
+        in a pipeline the stage's whole weights stay gathered for the step and its gradients accumulate unsharded
+        over the micro-batches; without one, about two layers' worth of each (the layer computing, the prefetched).
+        A pipelined step also keeps the previous step's gradients while its schedule runs (HolmesStrategy sets them
+        aside until Lightning zeroes them): one more copy of the rank's gradients.
+        """
+        sharded = self.sharding is Sharding.fsdp and dp > 1
+        held = param_bytes / dp if sharded else param_bytes
+        stale_grads = held if pipelined else 0.0
+        total = held * self.state_multiplier + stale_grads + stash_bytes
+        if sharded:
+            total += 2 * (param_bytes if pipelined else min(param_bytes, 2 * self.largest_layer_bytes))
+        return total
+
+    @cached_property
+    def largest_layer_bytes(self) -> float:
+        return max(layer.param_bytes for layer in self.profile.layers)

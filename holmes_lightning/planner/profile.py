@@ -68,7 +68,8 @@ class ModelProfile:
 
         FLOPs count matrix multiplies (2 per multiply-add); attention scores over the full sequence; backward = 2x
         forward. `bytes_per_value` is the training dtype's size (2 for bf16/fp16, 4 for fp32). The block's stash is
-        Korthikanti et al.'s 34·s·h + 5·a·s² values at 16 bits, scaled to the dtype.
+        Korthikanti et al.'s 34·s·h + 5·a·s² values at 16 bits, scaled to the dtype; the head's counts the logits
+        twice, as `measure` does (the pipeline keeps them for the loss, the loss keeps its log-probabilities).
         """
         s, h, a, vocab = model.seq_len, model.d_model, model.n_heads, model.vocab_size
         width = bytes_per_value
@@ -81,6 +82,7 @@ class ModelProfile:
         block = LayerProfile("block", block_flops, 2 * block_flops, block_params * width, hidden_out, block_stash)
         logits = s * vocab * width
         head_params = (vocab * h + 2 * h) * width
-        head = LayerProfile("head", head_flops, 2 * head_flops, head_params, logits, hidden_out + logits)
+        head_stash = 2 * hidden_out + 2 * logits  # norm's input and output; the logits and the loss's copy of them
+        head = LayerProfile("head", head_flops, 2 * head_flops, head_params, logits, head_stash)
         blocks = tuple(replace(block, name=f"block{i}") for i in range(model.n_layers))
         return cls(model.name, (embedding, *blocks, head), tokens_per_sample=s)

@@ -81,12 +81,6 @@ class ByteCorpusDataModule(L.LightningDataModule):
         split = int(len(data) * (1 - self.val_fraction))
         self.train_set = ByteWindows(data[:split], self.seq_len)
         self.val_set = ByteWindows(data[split:], self.seq_len)
-        if len(self.val_set) < self.per_replica_batch:
-            raise ValueError(
-                f"data.val_fraction={self.val_fraction}: the validation split holds {len(self.val_set)} sequences of "
-                f"{self.seq_len} bytes, fewer than one batch of {self.per_replica_batch}; raise data.val_fraction or "
-                f"data.corpus_bytes"
-            )
 
     def _check_same_corpus_everywhere(self, corpus: bytes) -> None:
         """Nodes with different Python versions would read different text: refuse rather than train on a mix."""
@@ -128,4 +122,11 @@ class ByteCorpusDataModule(L.LightningDataModule):
         )
 
     def val_dataloader(self) -> DataLoader:
+        """Checked here, not in `setup`: the split over replicas is known only once HolmesStrategy has planned."""
+        if len(self.val_set) < self.per_replica_batch:
+            raise ValueError(
+                f"data.val_fraction={self.val_fraction}: the validation split holds {len(self.val_set)} sequences of "
+                f"{self.seq_len} bytes, fewer than one batch of {self.per_replica_batch}; raise data.val_fraction or "
+                f"data.corpus_bytes"
+            )
         return DataLoader(self.val_set, batch_size=self.per_replica_batch, drop_last=True, num_workers=self.num_workers)

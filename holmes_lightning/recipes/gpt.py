@@ -1,4 +1,9 @@
-"""A nanoGPT-sized GPT as a LightningModule, written as a list of pipeline layers: embedding, blocks, head."""
+"""A nanoGPT-sized GPT as a LightningModule, written as a list of pipeline layers: embedding, blocks, head.
+
+Too big for one rank? Build it on the meta device (`with trainer.init_module(empty_init=True): GPT(...)`):
+HolmesStrategy then allocates on each rank only the layers of its stage and initialises them with `init_layer`,
+each from its own seed, exactly as `__init__` initialises the whole model on one process.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torchmetrics import Metric
+
+from holmes_lightning import init_layers
 
 
 class CausalSelfAttention(nn.Module):
@@ -102,7 +109,11 @@ class LossPerplexity(Metric):
 
 
 class GPT(L.LightningModule):
-    """Decoder-only transformer trained with AdamW and a warmup + cosine learning-rate schedule."""
+    """Decoder-only transformer trained with AdamW and a warmup + cosine learning-rate schedule.
+
+    GPT-2's initialisation (`init_layer`): weights ~ N(0, 0.02), the residual projections scaled down by depth,
+    biases zero, layer norms at identity.
+    """
 
     def __init__(
         self,
@@ -122,19 +133,23 @@ class GPT(L.LightningModule):
         self.embedding = Embedding(vocab_size, seq_len, d_model, dropout)
         self.blocks = nn.ModuleList(Block(d_model, n_heads, dropout) for _ in range(n_layers))
         self.head = Head(d_model, vocab_size)
-        self.val_ppl = LossPerplexity()  # fed from each validation batch's loss, so pipelined runs get it too
-        self.example_input_array = torch.zeros(1, seq_len, dtype=torch.long)  # one sequence: profiling, summary
-        self.apply(self._init_weights)
-        for block in self.blocks:  # GPT-2: scale the residual projections by depth
-            for proj in (block.attn.proj, block.mlp.proj):
-                nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * n_layers))
+        with torch.device("cpu"):  # not weights: real tensors even when the model is built on the meta device
+            self.val_ppl = LossPerplexity()  # fed from each validation batch's loss, so pipelined runs get it too
+            self.example_input_array = torch.zeros(1, seq_len, dtype=torch.long)  # one sequence: profiling, summary
+        init_layers(self)  # each layer from its own seed; on meta, HolmesStrategy does it for the layers a rank keeps
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear | nn.Embedding):
-            nn.init.normal_(module.weight, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+    def init_layer(self, layer: nn.Module) -> None:
+        """GPT-2's initialisation of one pipeline layer (called once per layer, its random draws seeded for it)."""
+        for module in layer.modules():
+            if isinstance(module, nn.Linear | nn.Embedding):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+            if isinstance(module, nn.LayerNorm):
+                module.reset_parameters()
+        if isinstance(layer, Block):  # the residual projections, scaled by depth
+            for proj in (layer.attn.proj, layer.mlp.proj):
+                nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * self.hparams.n_layers))
 
     def pipeline_layers(self) -> list[nn.Module]:
         """[embedding, block x n_layers, head]: applied in order they map token ids (B, T) to logits (B, T, V)."""
@@ -171,7 +186,8 @@ class GPT(L.LightningModule):
         matrices = [p for p in self.parameters() if p.dim() >= 2]  # weights and embeddings decay; biases, norms don't
         vectors = [p for p in self.parameters() if p.dim() < 2]
         groups = [{"params": matrices, "weight_decay": hp.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
-        optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=(0.9, 0.95))
+        # fused: the step allocates nothing the size of the model (the foreach default on GPUs allocates a copy)
+        optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=(0.9, 0.95), fused=True)
         total = max(self.trainer.estimated_stepping_batches, hp.warmup_steps + 1)
         warmup = torch.optim.lr_scheduler.LinearLR(
             optimizer, start_factor=1 / (hp.warmup_steps + 1), total_iters=hp.warmup_steps

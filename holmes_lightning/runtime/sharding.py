@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from holmes_lightning.planner import Plan, Sharding
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket: few collectives, bounded extra memory
+BUCKETS_IN_FLIGHT = 2  # one bucket reduces while the next is flattened
 
 
 GradientSync = Callable[[], None]
@@ -51,15 +52,25 @@ def parallelize(
 
 
 def average_gradients(parameters: Iterable[nn.Parameter], group: dist.ProcessGroup) -> None:
-    """Average full-replica gradients over `group`, a few flat all-reduces of up to `BUCKET_BYTES` each."""
-    buckets = list(_buckets([p.grad for p in parameters if p.grad is not None]))
-    flats = [torch._utils._flatten_dense_tensors(bucket) for bucket in buckets]
-    works = [dist.all_reduce(flat, group=group, async_op=True) for flat in flats]
-    for bucket, flat, work in zip(buckets, flats, works, strict=True):
-        work.wait()
-        flat.div_(group.size())
-        for grad, synced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket), strict=True):
-            grad.copy_(synced)
+    """Average full-replica gradients over `group`, a few flat all-reduces of up to `BUCKET_BYTES` each.
+
+    At most `BUCKETS_IN_FLIGHT` flat copies exist at once, so the sync never holds a second copy of the gradients.
+    """
+    pending: deque[tuple[list[torch.Tensor], torch.Tensor, dist.Work]] = deque()
+    for bucket in _buckets([p.grad for p in parameters if p.grad is not None]):
+        flat = torch._utils._flatten_dense_tensors(bucket)
+        pending.append((bucket, flat, dist.all_reduce(flat, group=group, async_op=True)))
+        if len(pending) == BUCKETS_IN_FLIGHT:
+            _average_into(*pending.popleft(), group.size())
+    while pending:
+        _average_into(*pending.popleft(), group.size())
+
+
+def _average_into(bucket: list[torch.Tensor], flat: torch.Tensor, work: dist.Work, size: int) -> None:
+    work.wait()
+    flat.div_(size)
+    for grad, synced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket), strict=True):
+        grad.copy_(synced)
 
 
 def _buckets(grads: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:

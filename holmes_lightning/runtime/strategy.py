@@ -1,8 +1,10 @@
 """`HolmesStrategy`: Lightning training on a Holmes Plan, pipeline stages over NIC groups with FSDP2 inside each.
 
-Flow: the NIC-grouping environment yields the Topology, rank 0 asks the planner for a Plan and shares it, every rank
-creates the Plan's process groups and ("pp", "dp") mesh, keeps only its stage's layers, shards them over its stage's
-DP group and runs torch.distributed.pipelining's schedule. With automatic optimisation Lightning calls training_step,
+Flow: `setup_environment` joins the processes and agrees on the Topology. `setup` (after the DataModule's `setup` and
+the model's `configure_model`, so layers built there are planned too) has rank 0 profile the model and plan, shares
+the Plan, creates its process groups and ("pp", "dp") mesh, and every rank keeps only its stage's layers, shards them
+over its stage's DP group, allocates them if they were built on the meta device (`runtime.materialize`) and runs
+torch.distributed.pipelining's schedule. With automatic optimisation Lightning calls training_step,
 zero_grad, then backward: the schedule runs in training_step (so the real loss reaches Lightning) with its gradients
 set aside, and backward adds them, which keeps accumulation, clipping, hooks and optimizer steps Lightning's own.
 """
@@ -26,7 +28,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import _set_rng_states, reset_seed
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states, reset_seed
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
@@ -40,7 +42,7 @@ from typing_extensions import override
 
 from holmes_lightning import planner
 from holmes_lightning.launch import launched_topology
-from holmes_lightning.measure import cpu_rank_gflops, profile_modules
+from holmes_lightning.measure import cpu_rank_gflops, first_sample, profile_modules
 from holmes_lightning.planner import SCHEDULES, BatchSettings, LayerProfile, ModelProfile, Plan, PlanOptions, Sharding
 from holmes_lightning.planner.planner import LAYOUTS, SHARDINGS
 from holmes_lightning.planner.report import format_plan
@@ -48,6 +50,7 @@ from holmes_lightning.runtime import checkpoint, nccl, resume
 from holmes_lightning.runtime.environment import NICGroupingEnvironment
 from holmes_lightning.runtime.groups import PlanMesh, build_mesh
 from holmes_lightning.runtime.hooks import report_step, step_hook
+from holmes_lightning.runtime.materialize import is_meta, materialize, meta_twins
 from holmes_lightning.runtime.pipeline import (
     Pipeline,
     check_contract,
@@ -59,6 +62,14 @@ from holmes_lightning.runtime.pipeline import (
 from holmes_lightning.runtime.placement import choose_device, describe_emulation, host_position
 from holmes_lightning.runtime.sharding import clip_grad_norm_, parallelize
 from holmes_lightning.topology import ClusterSpec, Topology, load_cluster_spec
+
+NOT_YET = "is made in setup, after the DataModule's setup and configure_model: read it from train_dataloader() or later"
+LOOPS = {
+    TrainerFn.FITTING: ("fit_loop", "train_dataloader"),
+    TrainerFn.VALIDATING: ("validate_loop", "val_dataloader"),
+    TrainerFn.TESTING: ("test_loop", "test_dataloader"),
+    TrainerFn.PREDICTING: ("predict_loop", "predict_dataloader"),
+}
 
 
 class HolmesStrategy(ModelParallelStrategy):
@@ -77,7 +88,8 @@ class HolmesStrategy(ModelParallelStrategy):
             backend: FSDP unless replicas are faster, as on gloo, whose reduce-scatter costs a whole all-reduce).
             A given plan= brings its own.
         plan: a Plan (or its JSON file) to run instead of planning.
-        profile: the model's cost profile; default: `pipeline_layers()` measured on `example_input_array`.
+        profile: the model's cost profile; default: `pipeline_layers()` measured on `example_input_array`, or
+            without it on one sample of the running entry point's DataLoader (meta layers: on meta tensors).
         timeout: seconds (or a timedelta) a collective may wait before the job fails.
     """
 
@@ -127,6 +139,7 @@ class HolmesStrategy(ModelParallelStrategy):
         self.plan_mesh: PlanMesh | None = None
         self.pipeline: Pipeline | None = None
         self._prepared: nn.Module | None = None
+        self._profiling = False
         self._parameters: list[nn.Parameter] = []
         self._step_grads: list[torch.Tensor | None] | None = None
         self._resumed_rng: dict[str, Any] | None = None
@@ -134,19 +147,24 @@ class HolmesStrategy(ModelParallelStrategy):
 
     @property
     def replica_batch_size(self) -> int:
-        """Samples per training step that each DP replica's DataLoader must yield (global batch / dp)."""
+        """Samples per training step that each DP replica's DataLoader must yield (global batch / dp).
+
+        1 while the strategy reads one sample of a DataLoader to profile the model, before there is a plan.
+        """
+        if self._profiling:
+            return 1
         return self._require_plan().replica_batch
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Shard data over the DP dimension only: every stage of one DP column sees the same batch."""
         if self.plan_mesh is None:
-            raise RuntimeError("HolmesStrategy: the data split is known once the plan exists (after setup_environment)")
+            raise RuntimeError(f"HolmesStrategy: the data split (DP degree) {NOT_YET}")
         return {"num_replicas": self._require_plan().dp, "rank": self.plan_mesh.dp_index}
 
     def _require_plan(self) -> Plan:
         if self.plan is None:
-            raise RuntimeError("HolmesStrategy: no plan yet; it is made in setup_environment, once processes joined")
+            raise RuntimeError(f"HolmesStrategy: the plan {NOT_YET}")
         return self.plan
 
     @override
@@ -218,24 +236,18 @@ class HolmesStrategy(ModelParallelStrategy):
             )
         return self._device
 
+    @override
     def setup_environment(self) -> None:
+        """Processes join and agree on the Topology; the plan and the mesh follow in `setup`, once the model exists.
+
+        So, unlike under ModelParallelStrategy, `self.device_mesh` is not set yet in `configure_model`: build the
+        layers there (on the meta device if they are big) and leave sharding to the strategy.
+        """
         self._setup_distributed()
         assert isinstance(self.cluster_environment, NICGroupingEnvironment)
         self.topology = self.cluster_environment.exchange()
         if self.cluster_environment.emulated:
             rank_zero_info(describe_emulation(self.topology))
-        if self.plan_mesh is None:
-            self.plan = self._agree_on_plan()
-            self.plan_mesh = build_mesh(
-                self.plan,
-                environment=self.cluster_environment,
-                device=self.root_device,
-                backend=self._get_process_group_backend(),
-                timeout=self._timeout,
-            )
-        self._device_mesh = self.plan_mesh.mesh
-        assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
 
     def _setup_distributed(self) -> None:
         """The default group. On NCCL, this process's NCCL environment first (NCCL reads it once); the default
@@ -261,12 +273,28 @@ class HolmesStrategy(ModelParallelStrategy):
             kwargs.update(device_id=self.root_device, pg_options=options)
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
 
-    def _agree_on_plan(self) -> Plan:
+    def _plan_and_build_mesh(self, trainer: pl.Trainer) -> None:
+        """The plan (made once per strategy, so fit and a later validate share it), its process groups and mesh."""
+        if self.plan_mesh is None:
+            self.plan = self._agree_on_plan(trainer)
+            assert isinstance(self.cluster_environment, NICGroupingEnvironment)
+            self.plan_mesh = build_mesh(
+                self.plan,
+                environment=self.cluster_environment,
+                device=self.root_device,
+                backend=self._get_process_group_backend(),
+                timeout=self._timeout,
+            )
+        self._device_mesh = self.plan_mesh.mesh
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    def _agree_on_plan(self, trainer: pl.Trainer) -> Plan:
         """Rank 0 profiles the model once and plans (or checks the given plan); every rank gets it, or its error."""
         outcome: tuple[str, str] | Exception | None = None
         if self.global_rank == 0:
             try:
-                profile = self._profile()
+                profile = self._profile(trainer)
                 chosen = self._check_given_plan(self.plan) if self.plan else self._make_plan(profile)
                 outcome = (chosen.to_json(), format_plan(chosen, profile))
             except Exception as error:  # any failure must reach the other ranks, or they wait for the plan forever
@@ -278,8 +306,12 @@ class HolmesStrategy(ModelParallelStrategy):
         rank_zero_info(description)
         return Plan.from_json(plan_json)
 
-    def _profile(self) -> ModelProfile:
-        """The given profile, or `pipeline_layers()` measured on `example_input_array` (one layer without them)."""
+    def _profile(self, trainer: pl.Trainer) -> ModelProfile:
+        """The given profile, or `pipeline_layers()` measured on one sample (one layer without them).
+
+        The sample is `example_input_array`, else one of the running entry point's DataLoader. The random state is
+        left as it was, so rank 0 draws the same numbers afterwards as the ranks that did not profile.
+        """
         module = self.lightning_module
         assert module is not None
         if self.profile is not None:
@@ -287,14 +319,16 @@ class HolmesStrategy(ModelParallelStrategy):
         if missing_contract(module):
             param_bytes = float(sum(p.numel() * p.element_size() for p in module.parameters()))
             return ModelProfile(type(module).__name__, (LayerProfile("model", 0.0, 0.0, param_bytes, 0.0, 0.0),), 1)
-        sample = module.example_input_array
-        if not torch.is_tensor(sample):
-            raise ValueError(
-                f"HolmesStrategy profiles {type(module).__name__}.pipeline_layers() on one batch of inputs: set "
-                f"`self.example_input_array = <input tensor, samples first>` in __init__, or pass "
-                f"HolmesStrategy(profile=ModelProfile...)"
-            )
-        return profile_modules(module.pipeline_layers(), sample, name=type(module).__name__)
+        states = _collect_rng_states()
+        self._profiling = True
+        try:
+            sample = module.example_input_array
+            if not torch.is_tensor(sample):
+                sample = _sample_inputs(trainer, type(module).__name__)
+            return profile_modules(module.pipeline_layers(), sample, name=type(module).__name__)
+        finally:
+            self._profiling = False
+            _set_rng_states(states)
 
     def _check_given_plan(self, given: Plan) -> Plan:
         assert self.topology is not None
@@ -334,9 +368,11 @@ class HolmesStrategy(ModelParallelStrategy):
         efficiency = min(1.0, cpu_rank_gflops(self.topology.world_size) / peak_gflops)
         return replace(options, efficiency=efficiency)
 
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
+        self._plan_and_build_mesh(trainer)
         if self._prepared is not self.lightning_module:
             self._prepare(self.lightning_module)
         if self.pipeline is not None and trainer.state.fn == TrainerFn.FITTING:
@@ -356,7 +392,8 @@ class HolmesStrategy(ModelParallelStrategy):
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # total norm over every stage
 
     def _prepare(self, module: pl.LightningModule) -> None:
-        """Keep this stage's layers, shard them over the stage's DP mesh, and build its pipeline stages."""
+        """Keep this stage's layers, shard them over the stage's DP mesh, allocate and initialise them if they are on
+        the meta device, and build the stage's pipeline stages, in this order (torchtitan's)."""
         active_plan, mesh = self._require_plan(), self.plan_mesh
         assert mesh is not None
         self.model = self.precision_plugin.convert_module(self.model)
@@ -369,17 +406,22 @@ class HolmesStrategy(ModelParallelStrategy):
                 f"returns {len(layers)}; plan for this model"
             )
         stage = active_plan.stages[mesh.stage]
+        owned = stage.layers if active_plan.is_pipelined else range(len(layers))
+        if active_plan.is_pipelined:
+            check_contract(module, active_plan.pp)
+            keep_owned_layers(module, layers, set(owned))
+            module.example_input_array = None  # the whole forward no longer runs here (model summary would call it)
+        twins = meta_twins(layers, owned) if layers and is_meta(module) else {}
         if not active_plan.is_pipelined:  # FSDP2 or replicas only: the module's own training_step runs
             parallelize(module, layers=layers, mesh=mesh.dp_mesh, plan=active_plan, mp_policy=policy)
+            self._materialize(module, layers, twins)
         else:  # virtual stages, possibly all on this rank (pp=1, Interleaved1F1B)
-            check_contract(module, active_plan.pp)
-            keep_owned_layers(module, layers, set(stage.layers))
-            module.example_input_array = None  # the whole forward no longer runs here (model summary would call it)
             chunks = [nn.Sequential(*layers[start:stop]) for start, stop in stage.chunks]
             syncs = [
                 parallelize(chunk, layers=list(chunk), mesh=mesh.dp_mesh, plan=active_plan, mp_policy=policy)
                 for chunk in chunks
             ]
+            self._materialize(module, layers, twins)
             self.pipeline = Pipeline(
                 plan=active_plan,
                 stage=mesh.stage,
@@ -389,10 +431,20 @@ class HolmesStrategy(ModelParallelStrategy):
                 loss_fn=module.pipeline_loss,
                 gradient_syncs=[sync for sync in syncs if sync is not None],
             )
-        _materialize_distributed_module(module, self.root_device)
         self.model_to_device()
         self._parameters = list(module.parameters())
         self._prepared = module
+
+    def _materialize(self, module: pl.LightningModule, layers: list[nn.Module], twins: dict[int, nn.Module]) -> None:
+        """Meta layers: this rank's shards, each layer initialised from its own seed (rank 0's) as on one process.
+
+        A meta model without `pipeline_layers()` gets Lightning's treatment: each submodule's `reset_parameters()`.
+        """
+        if twins:
+            seed = self.broadcast(torch.initial_seed())
+            materialize(module, layers=layers, twins=twins, device=self.root_device, seed=seed)
+        else:
+            _materialize_distributed_module(module, self.root_device)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -522,6 +574,29 @@ class HolmesStrategy(ModelParallelStrategy):
             _set_rng_states(self._resumed_rng)
             self._resumed_rng = None
         super().on_train_batch_start(batch, batch_idx)
+
+
+def _sample_inputs(trainer: pl.Trainer, model_name: str) -> torch.Tensor:
+    """The inputs of one sample of the DataLoader the running entry point (fit, validate, test, predict) reads."""
+    loop, hook = LOOPS[trainer.state.fn]
+    source = getattr(trainer, loop)._data_source
+    fix = (
+        f"set `self.example_input_array = <inputs of one batch, samples first>` in {model_name}.__init__, or pass "
+        f"HolmesStrategy(profile=...)"
+    )
+    if not source.is_defined():
+        raise ValueError(f"HolmesStrategy profiles pipeline_layers() on one sample, but there is no {hook}(); {fix}")
+    try:
+        loaders = source.dataloader()
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"HolmesStrategy reads one sample of {hook}() to profile the model before it plans, and that failed: "
+            f"{error}; {fix}"
+        ) from error
+    while isinstance(loaders, list | tuple | dict):  # several loaders: the first one's
+        loaders = next(iter(loaders.values())) if isinstance(loaders, dict) else loaders[0]
+    batch = first_sample(loaders)
+    return prediction_inputs(batch) if trainer.state.fn == TrainerFn.PREDICTING else split_batch(batch)[0]
 
 
 def _swap_grads(params: list[nn.Parameter], grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:

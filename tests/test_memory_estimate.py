@@ -1,0 +1,90 @@
+"""The planner's memory estimate per device: what each rank holds under FSDP or replicas, in a pipeline or not;
+and the memory benchmark's planning and verdicts.
+
+The estimate is measured against real runs by `python -m holmes_lightning.bench bench=memory`
+(docs/benchmark/memory.md), not here: a small job's RSS is mostly the process's baseline and allocator noise.
+"""
+
+from dataclasses import replace
+
+import pytest
+
+from holmes_lightning.bench.config import MEMORY_VARIANTS, BenchSettings
+from holmes_lightning.bench.memory import MemoryRow, draw, markdown, meta_profile, plan_memory_variants
+from holmes_lightning.config import ConfigError, ModelConfig
+from holmes_lightning.planner import BatchSettings, ModelProfile, PlanError, PlanOptions, Sharding, plan
+from holmes_lightning.planner.cost import CostModel
+from holmes_lightning.topology import Topology
+
+GB = 1e9
+PROFILE = ModelProfile.from_gpt(ModelConfig(name="gpt", n_layers=8, d_model=256, n_heads=4, seq_len=64), 4)
+TOPOLOGY = Topology.from_config("two_cluster_mixed")
+
+
+def test_replicas_hold_weights_grads_and_adamw_states_plus_the_stash():
+    replicas = CostModel(TOPOLOGY, PROFILE, sharding=Sharding.none)
+    assert replicas.memory_bytes(GB, dp=4, stash_bytes=0.1 * GB, pipelined=False) == pytest.approx(4.1 * GB)
+
+
+def test_a_pipelined_step_also_holds_the_previous_steps_gradients():
+    replicas = CostModel(TOPOLOGY, PROFILE, sharding=Sharding.none)
+    assert replicas.memory_bytes(GB, dp=4, stash_bytes=0.1 * GB, pipelined=True) == pytest.approx(5.1 * GB)
+
+
+def test_pipelined_fsdp_also_holds_the_stage_gathered_and_its_gradients_unsharded():
+    fsdp = CostModel(TOPOLOGY, PROFILE, sharding=Sharding.fsdp)
+    replicas = replace(fsdp, sharding=Sharding.none)
+    assert fsdp.memory_bytes(GB, dp=4, stash_bytes=0.0, pipelined=True) == pytest.approx(5 / 4 * GB + 2 * GB)
+    same = {"dp": 2, "stash_bytes": 0.0, "pipelined": True}
+    assert fsdp.memory_bytes(GB, **same) < replicas.memory_bytes(GB, **same)  # saves only the stale half
+
+
+def test_fsdp_without_a_pipeline_unshards_about_two_layers_at_a_time():
+    fsdp = CostModel(TOPOLOGY, PROFILE, sharding=Sharding.fsdp)
+    largest = max(layer.param_bytes for layer in PROFILE.layers)
+    assert fsdp.memory_bytes(GB, dp=4, stash_bytes=0.0, pipelined=False) == pytest.approx(GB + 4 * largest)
+    assert fsdp.memory_bytes(GB, dp=1, stash_bytes=0.0, pipelined=False) == pytest.approx(4 * GB)  # nothing to shard
+
+
+def test_plans_report_the_estimate_of_their_worst_stage_and_the_memory_limit_uses_it():
+    batch = BatchSettings(global_batch=8)
+    found = plan(TOPOLOGY, PROFILE, batch, PlanOptions(pp=2, sharding="none", backend="gloo"))
+    assert found.prediction.memory_gb == max(stage.memory_gb for stage in found.stages)
+    for stage in found.stages:
+        params = sum(PROFILE.layers[i].param_bytes for i in stage.layers)
+        assert stage.memory_gb * GB > 5 * params  # states, stale gradients, the activations of micro-batches in flight
+    with pytest.raises(PlanError, match="memory_limit_gb"):
+        plan(
+            TOPOLOGY, PROFILE, batch, PlanOptions(pp=2, sharding="none", memory_limit_gb=found.prediction.memory_gb / 2)
+        )
+
+
+def test_memory_bench_plans_its_runs_and_judges_each_rank(tmp_path):
+    model = ModelConfig(name="m", n_layers=4, d_model=64, n_heads=4, seq_len=16)
+    settings = BenchSettings(name="memory", kind="memory", model=model, global_batch=4, variants=list(MEMORY_VARIANTS))
+    profile = meta_profile(model)
+    variants = plan_memory_variants(TOPOLOGY, profile, settings, PlanOptions(pp=2))
+    assert [(v.plan.pp, v.plan.dp, v.plan.sharding) for v in variants] == [
+        (2, 2, Sharding.fsdp),
+        (2, 2, Sharding.none),
+        (2, 2, Sharding.none),
+    ]
+    common = {"rank": 0, "stage": 0, "layers": "0-2", "stage_state_gb": 1.0, "baseline_gb": 0.4}
+    rows = [
+        MemoryRow(variant="memory_fsdp", estimate_gb=1.1, peak_gb=1.6, **common),  # model 1.2: 1.2x state, -8%
+        MemoryRow(variant="memory_replicas", estimate_gb=1.0, peak_gb=1.8, **common),  # model 1.4: above 1.25x
+        MemoryRow(variant="memory_eager", estimate_gb=1.0, peak_gb=2.4, **common),  # before: no verdict
+    ]
+    assert [row.meets_targets for row in rows[:2]] == [True, False]
+    context = {"bench": "memory", "model": "m", "param_gb": 0.01, "global_batch": 4, "steps": "3 steps"}
+    table = markdown(rows, variants, {**context, "cluster": "two_cluster_mixed"})
+    assert "| met |" in table and "| NOT met |" in table and "n/a (before)" in table and "1/2 ranks" in table
+    draw(tmp_path / "memory.png", rows)
+    assert (tmp_path / "memory.png").stat().st_size > 10_000
+
+
+def test_memory_bench_runs_only_memory_variants():
+    with pytest.raises(ConfigError, match="bench.variants"):
+        BenchSettings(kind="memory")  # the speed variants by default
+    with pytest.raises(ConfigError, match="bench.kind"):
+        BenchSettings(kind="size")
