@@ -277,12 +277,13 @@ def test_auto_sharding_picks_replicas_on_gloo_fsdp_on_nccl_and_fsdp_when_replica
     batch = BatchSettings(global_batch=16)
     assert plan(topology, GPT_SMALL, batch, PlanOptions(backend="gloo", pp=2)).sharding == "none"
     assert plan(topology, GPT_SMALL, batch, PlanOptions(backend="nccl", pp=2)).sharding == "fsdp"
-    replicas = plan(topology, GPT_SMALL, batch, PlanOptions(backend="gloo", sharding="none", pp=2))
-    sharded = plan(topology, GPT_SMALL, batch, PlanOptions(backend="gloo", sharding="fsdp", pp=2))
+    wider = Topology.from_config("two_cluster_mixed", devices_per_node=2)  # dp=4: sharding saves memory in a pipeline
+    replicas = plan(wider, GPT_SMALL, batch, PlanOptions(backend="gloo", sharding="none", pp=2))
+    sharded = plan(wider, GPT_SMALL, batch, PlanOptions(backend="gloo", sharding="fsdp", pp=2))
     assert sharded.prediction.memory_gb < replicas.prediction.memory_gb
     limit = (sharded.prediction.memory_gb + replicas.prediction.memory_gb) / 2
     tight = PlanOptions(backend="gloo", pp=2, memory_limit_gb=limit)
-    assert plan(topology, GPT_SMALL, batch, tight).sharding == "fsdp"
+    assert plan(wider, GPT_SMALL, batch, tight).sharding == "fsdp"
 
 
 def test_dp_sync_hides_only_under_the_last_micro_batch_backward():

@@ -81,13 +81,12 @@ class CostModel:
         FSDP shards weights, gradients and optimizer states over the DP group, and holds unsharded copies besides:
         in a pipeline the stage's whole weights stay gathered for the step and its gradients accumulate unsharded
         over the micro-batches; without one, about two layers' worth of each (the layer computing, the prefetched).
-        A pipelined step also keeps the previous step's gradients while its schedule runs (HolmesStrategy sets them
-        aside until Lightning zeroes them): one more copy of the rank's gradients.
+        (With gradient accumulation a pipelined step also holds the window's earlier gradients while its schedule
+        runs: one more copy of the rank's gradients, not counted here.)
         """
         sharded = self.sharding is Sharding.fsdp and dp > 1
         held = param_bytes / dp if sharded else param_bytes
-        stale_grads = held if pipelined else 0.0
-        total = held * self.state_multiplier + stale_grads + stash_bytes
+        total = held * self.state_multiplier + stash_bytes
         if sharded:
             total += 2 * (param_bytes if pipelined else min(param_bytes, 2 * self.largest_layer_bytes))
         return total

@@ -455,6 +455,10 @@ class HolmesStrategy(ModelParallelStrategy):
                 return self._forward_redirection(module, module, "training_step", *args, **kwargs)
         inputs, targets = split_batch(args[0])
         keep_outputs = step_hook(module, "training_step") is not None
+        trainer = module.trainer
+        if trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0:
+            for param in self._parameters:  # Lightning zeroes them right after this step: free them before it runs
+                param.grad = None
         earlier = _swap_grads(self._parameters, [None] * len(self._parameters))
         with self.precision_plugin.train_step_context():
             result = self.pipeline.train_step(inputs, targets, keep_outputs=keep_outputs)
