@@ -7,18 +7,23 @@ and after the action it waits for (plus the transfer between them). Any path is 
   then its tail (`drain`: its exposed DP sync and optimizer step, or the last gradient's way down to an earlier stage
   and that stage's tail). On the way the path may leave the stage at a forward of its last chunk, climb through
   every later virtual stage and come back down to a backward (`excursion`), and move between its own chunks through
-  the virtual stages between them (`up`, `down`). This is the path that makes 1F1B's second round trip or GPipe's
+  the virtual stages between them (`up`, `down`). These are the paths that make 1F1B's round trips and GPipe's
   forward and backward phases count.
-- For stages not assigned yet, minimum-over-splits tables (`SuffixBounds`) of the same paths staying on one stage.
+- For stages not assigned yet, minimum-over-splits tables (`SuffixBounds`) of the same paths.
 """
 
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cache, partial
 
 from holmes_lightning.planner.schedules import Action
+from holmes_lightning.planner.simulate import Replay
+
+ROUNDING = 1e-12  # relative slack for bounds summed in another order than the simulator sums the same seconds
 
 # (virtual stage, first layer, stop layer) -> (forward s, backward s, send s, tail s), or None if it cannot fit
 RangeCost = Callable[[int, int, int], "tuple[float, float, float, float] | None"]
@@ -40,25 +45,185 @@ def latest_turns(top_order: Sequence[Action], chunk: int, microbatches: int) -> 
     return latest
 
 
+@dataclass(frozen=True)
+class OneChunkWalk:
+    """A one-chunk stage's actions, for the longest path through them with excursions (`one_chunk_path_s`).
+
+    `steps`: per action -2 a forward, -1 a backward no excursion reaches, else the index (among the stage's forwards)
+    of the forward an excursion to this backward leaves from, the latest the top stage allows. Per backward, for
+    `path_s`: its step, the forwards and backwards an excursion to it skips, and the last backward whose excursion
+    ends before this one leaves (-1: none). `form`: "1F1B" (excursion j skips min(w-1, m-1-j) forwards and min(j, w-1)
+    backwards and may follow excursion j - w; w = `warmup`), "first" (one excursion at most, the first backward's the
+    best, as GPipe), else "any": `path_s` then has a closed form, or one pass over the backwards.
+    """
+
+    steps: tuple[int, ...]
+    turns: tuple[int, ...]
+    skipped_forwards: tuple[int, ...]
+    skipped_backwards: tuple[int, ...]
+    previous: tuple[int, ...]
+    form: str = "any"
+    warmup: int = 0
+
+    @classmethod
+    def of(cls, order: Sequence[Action], top_turns: Sequence[int]) -> OneChunkWalk:
+        steps, forward_at, backward_at = [], [], []
+        for position, action in enumerate(order):
+            if action.backward:
+                steps.append(min(top_turns[action.microbatch], len(forward_at) - 1))
+                backward_at.append(position)
+            else:
+                steps.append(-2)
+                forward_at.append(position)
+        turns = tuple(steps[position] for position in backward_at)
+        skipped_forwards, skipped_backwards, previous = [], [], []
+        for b, position in enumerate(backward_at):
+            leaves = forward_at[turns[b]] if turns[b] >= 0 else position
+            skipped_forwards.append(bisect_left(forward_at, position) - bisect_right(forward_at, leaves))
+            skipped_backwards.append(b - bisect_right(backward_at, leaves))
+            previous.append(bisect_left(backward_at, leaves) - 1)
+        m, w = len(backward_at), bisect_left(forward_at, backward_at[0]) if backward_at else 0
+        form = "any"
+        if all(
+            (turns[j], skipped_forwards[j], skipped_backwards[j], previous[j])
+            == (j, min(w - 1, m - 1 - j), min(j, w - 1), max(j - w, -1))
+            for j in range(m)
+        ):
+            form = "1F1B"
+        elif m and all(
+            previous[j] == -1
+            and turns[j] >= 0
+            and skipped_forwards[j] >= skipped_forwards[0]
+            and skipped_backwards[j] >= skipped_backwards[0]
+            for j in range(m)
+        ):
+            form = "first"
+        return cls(tuple(steps), turns, tuple(skipped_forwards), tuple(skipped_backwards), tuple(previous), form, w)
+
+    def path_s(self, forward: float, backward: float, excursion: float | None) -> float:
+        """`one_chunk_path_s` without descents: every action, plus the excursions with the largest total gain (each
+        replaces the actions it skips by `excursion`; each leaves after the one before came back)."""
+        backwards = len(self.turns)
+        total = (len(self.steps) - backwards) * forward + backwards * backward
+        if excursion is None:
+            return total
+        if self.form == "first":
+            first = excursion - self.skipped_forwards[0] * forward - self.skipped_backwards[0] * backward
+            return total + max(first, 0.0)
+        if self.form == "1F1B":  # gains fall, stay flat, rise: the first and last backwards, every w-th between
+            w = self.warmup
+            first, last = excursion - (w - 1) * forward, excursion - (w - 1) * backward
+            steady = excursion - (w - 1) * (forward + backward)
+            count = (backwards - 1) // w + 1  # excursions that fit
+            if count == 1:
+                return total + max(first, last, 0.0)
+            if steady > 0:
+                return total + first + last + (count - 2) * steady
+            return total + max(first, 0.0) + max(last, 0.0)
+        best_by: list[float] = []  # the largest total gain of excursions that come back at or before each backward
+        best = 0.0
+        for b in range(backwards):
+            gain = excursion - self.skipped_forwards[b] * forward - self.skipped_backwards[b] * backward
+            if self.turns[b] >= 0 and gain > 0:
+                before = self.previous[b]
+                gain += best_by[before] if before >= 0 else 0.0
+                best = max(best, gain)
+            best_by.append(best)
+        return total + best
+
+
+@dataclass(frozen=True)
+class PathShapes:
+    """What the path bounds need of one schedule's orders (`pp` stages, `microbatches`, `chunks` per stage).
+
+    `turns`: `latest_turns` of the top stage; `walks`: per stage its `OneChunkWalk` (one chunk per stage, else None);
+    `descents`: per stage its `descent_turns` (one chunk per stage).
+    """
+
+    turns: tuple[int, ...]
+    walks: tuple[OneChunkWalk, ...] | None
+    descents: tuple[tuple[int, ...], ...] | None
+
+    @classmethod
+    @cache
+    def of(cls, schedule: str, pp: int, microbatches: int, chunks: int) -> PathShapes:
+        orders = Replay.of(schedule, pp, microbatches, chunks).orders
+        turns = tuple(latest_turns(orders[pp - 1], chunks - 1, microbatches))
+        if chunks > 1:
+            return cls(turns, None, None)
+        walks = tuple(OneChunkWalk.of(order, turns) for order in orders)
+        return cls(turns, walks, tuple(tuple(descent_turns(order, microbatches)) for order in orders))
+
+
+def descent_turns(order: Sequence[Action], microbatches: int) -> list[int]:
+    """Per micro-batch i: the last micro-batch j whose backward a one-chunk stage runs before its forward i (-1: none).
+
+    A path that came down to this stage with j's gradient may climb back with micro-batch i (1F1B's steady state).
+    """
+    backwards, latest = 0, [-1] * microbatches
+    for action in order:
+        if action.backward:
+            backwards += 1
+        else:
+            latest[action.microbatch] = backwards - 1
+    return latest
+
+
+def one_chunk_path_s(
+    walk: OneChunkWalk,
+    forward: float,
+    backward: float,
+    excursion: float | None,
+    descents: Sequence[tuple[Sequence[int], float]] = (),
+) -> float:
+    """`stage_path_s` of a stage with one chunk, from its first action's start to its last action's end.
+
+    `descents`: (that stage's `descent_turns`, seconds) per earlier stage: a path may leave this stage at a backward,
+    go down to that stage with the gradient, and climb back with a later micro-batch (a cycle across slow links or
+    slow stages below, seconds: every action and both transfers between the two stages, that stage's included).
+    """
+    if not descents:
+        return walk.path_s(forward, backward, excursion)
+    clock = 0.0
+    forward_end: list[float] = []
+    backward_end: list[float] = []
+    for step in walk.steps:
+        if step == -2:
+            for turns, seconds in descents:
+                j = min(turns[len(forward_end)], len(backward_end) - 1)
+                if j >= 0 and backward_end[j] + seconds > clock:
+                    clock = backward_end[j] + seconds
+            clock += forward
+            forward_end.append(clock)
+        else:
+            if excursion is not None and step >= 0 and forward_end[step] + excursion > clock:
+                clock = forward_end[step] + excursion
+            clock += backward
+            backward_end.append(clock)
+    return clock
+
+
 def stage_path_s(
     *,
     order: Sequence[Action],
     forward: Sequence[float],
     backward: Sequence[float],
-    head: float,
-    drain: float,
     excursion: float | None,
     turns: Sequence[int],
     up: Sequence[float],
     down: Sequence[float],
 ) -> float:
-    """Longest path through one stage's actions (per chunk seconds), with excursions and hops between its chunks."""
+    """Longest path through one stage's actions (per chunk seconds), from its first action's start to its last's end.
+
+    It may leave at a forward of the top chunk and come back at a backward `excursion` later (None: the stage runs
+    the last virtual stage), and hop from chunk j to j + 1 (`up[j]`) or back (`down[j]`) through the stages between.
+    """
     chunks = len(forward)
     top = chunks - 1
     forward_end = [[-math.inf] * len(turns) for _ in range(chunks)]
     backward_end = [[-math.inf] * len(turns) for _ in range(chunks)]
     done = [0] * chunks
-    clock = head
+    clock = 0.0
     for action in order:
         j, mb = action.chunk, action.microbatch
         start = clock
@@ -78,7 +243,7 @@ def stage_path_s(
             clock = start + forward[j]
             forward_end[j][mb] = clock
             done[j] += 1
-    return clock + drain
+    return clock
 
 
 @dataclass
@@ -87,47 +252,117 @@ class SuffixBounds:
 
     `chain[u][x]`: the least sum of (forward + backward + 2 x send) over the stages, what one micro-batch's round trip
     through them takes at least. `reach[u][x]`: the least, over splits, of the largest (forwards and sends before
-    stage t) + m x stage t's work + its tail: its stay-on-one-stage path measured from stage u's first forward.
-    `relay[u][x]` (one chunk per stage): the same with the way back (backwards and sends below t) instead of the tail.
-    math.inf: no split fits.
+    stage t) + stage t's path + its tail: its path measured from stage u's first forward. `relay[u][x]` (one chunk per
+    stage): the same with the way back (backwards and sends below t) instead of the tail. A stage's path is
+    `one_chunk_path_s` with the least round trip above it (one chunk per stage; `paths[(u, x, y)]`), else m x its
+    work. math.inf: no split fits.
+
+    Splits only count if they could make a step below `bar`: a stage whose path and tail alone reach it cannot be in
+    one, so the round trip cannot dodge the bottleneck by putting every layer on the fastest stage.
     """
 
     chain: list[list[float]]
     reach: list[list[float]]
     relay: list[list[float]] | None
+    paths: dict[tuple[int, int, int], float] = field(default_factory=dict)
+    bar: float = math.inf
 
     @classmethod
-    def build(cls, cost: RangeCost, *, virtual: int, layers: int, microbatches: int, one_chunk: bool) -> SuffixBounds:
-        m, inf = microbatches, math.inf
-        chain = [[inf] * (layers + 1) for _ in range(virtual + 1)]
-        reach = [[inf] * (layers + 1) for _ in range(virtual + 1)]
-        relay = [[inf] * (layers + 1) for _ in range(virtual + 1)] if one_chunk else None
+    def build(
+        cls,
+        cost: RangeCost,
+        *,
+        virtual: int,
+        layers: int,
+        microbatches: int,
+        walks: Sequence[OneChunkWalk] | None,
+        bar: float = math.inf,
+    ) -> SuffixBounds:
+        """`walks`: per virtual stage its `OneChunkWalk` (one chunk per stage), or None (several chunks)."""
+        inf = math.inf
+        tables = cls(
+            chain=[[inf] * (layers + 1) for _ in range(virtual + 1)],
+            reach=[[inf] * (layers + 1) for _ in range(virtual + 1)],
+            relay=[[inf] * (layers + 1) for _ in range(virtual + 1)] if walks is not None else None,
+            bar=bar,
+        )
         for u in range(virtual - 1, -1, -1):
             later = virtual - 1 - u
             for x in range(u, layers - later):
-                best_chain = best_reach = best_relay = inf
                 stops = range(layers, layers + 1) if later == 0 else range(x + 1, layers - later + 1)
-                for y in stops:
-                    costs = cost(u, x, y)
-                    if costs is None:
-                        continue
-                    forward, backward, send, tail = costs
-                    work = forward + backward
-                    if later == 0:
-                        here_chain, here_reach, here_relay = work, m * work + tail, m * work
-                    else:
-                        here_chain = work + 2 * send + chain[u + 1][y]
-                        here_reach = max(m * work + tail, forward + send + reach[u + 1][y])
-                        here_relay = max(m * work, work + 2 * send + relay[u + 1][y]) if relay is not None else inf
-                    best_chain = min(best_chain, here_chain)
-                    best_reach = min(best_reach, here_reach)
-                    best_relay = min(best_relay, here_relay)
-                chain[u][x], reach[u][x] = best_chain, best_reach
-                if relay is not None:
-                    relay[u][x] = best_relay
-        return cls(chain, reach, relay)
+                ranges = [r for r in (tables._range(cost, u, x, y, microbatches, later == 0) for y in stops) if r]
+                tables.chain[u][x] = min((r.round_trip for r in ranges), default=inf)
+                path_s = tables._floor_s if walks is None else partial(tables._walk_s, walks[u])
+                tables.reach[u][x] = _least(ranges, path_s, with_tail=True)
+                if tables.relay is not None:
+                    tables.relay[u][x] = _least(ranges, path_s, with_tail=False)
+        return tables
 
     @property
     def root_s(self) -> float:
-        """A lower bound on the step of any split of the whole model (math.inf: none fits)."""
+        """A lower bound on the step of any split of the whole model that could get below `bar` (math.inf: none)."""
         return max(self.reach[0][0], self.relay[0][0] if self.relay is not None else 0.0)
+
+    def _range(self, cost: RangeCost, u: int, x: int, y: int, m: int, last: bool) -> _Range | None:
+        """Stage u holding layers [x, y), with the tables above it (None: it cannot fit or cannot beat `bar`)."""
+        costs = cost(u, x, y)
+        if costs is None:
+            return None
+        forward, backward, send, tail = costs
+        work = forward + backward
+        if (m * work + tail) * (1 - ROUNDING) >= self.bar:
+            return None
+        if last:
+            return _Range(u, x, y, forward, backward, tail, None, 0.0, 0.0, m * work)
+        climb = 2 * send + self.chain[u + 1][y]
+        reach = forward + send + self.reach[u + 1][y]
+        relay = work + 2 * send + self.relay[u + 1][y] if self.relay is not None else 0.0
+        return _Range(u, x, y, forward, backward, tail, climb, reach, relay, m * work)
+
+    @staticmethod
+    def _floor_s(stage: _Range) -> float:
+        return stage.floor
+
+    def _walk_s(self, walk: OneChunkWalk, stage: _Range) -> float:
+        key = (stage.u, stage.x, stage.y)
+        if key not in self.paths:
+            self.paths[key] = walk.path_s(stage.forward, stage.backward, stage.climb)
+        return self.paths[key]
+
+
+@dataclass(frozen=True)
+class _Range:
+    """One stage's layer range in the tables: its seconds, the round trip above it and the bounds past it."""
+
+    u: int
+    x: int
+    y: int
+    forward: float
+    backward: float
+    tail: float
+    climb: float | None
+    reach: float
+    relay: float
+    floor: float  # m x work: the stage's path is at least this
+
+    @property
+    def round_trip(self) -> float:
+        """Work and sends of one micro-batch through this stage and every one after it, at least."""
+        return self.forward + self.backward + (self.climb or 0.0)
+
+
+def _least(ranges: list[_Range], path_s: Callable[[_Range], float], with_tail: bool) -> float:
+    """`reach` (with the tail) or `relay`: min over ranges of max(path [+ tail], what lies past the range).
+
+    The path (at least `floor`) is computed only for ranges whose floor could still give the least value.
+    """
+
+    def value(stage: _Range, path: float) -> float:
+        return max(path + stage.tail, stage.reach) if with_tail else max(path, stage.relay)
+
+    best = math.inf
+    for stage in sorted(ranges, key=lambda r: value(r, r.floor)):
+        if value(stage, stage.floor) >= best:
+            break
+        best = min(best, value(stage, path_s(stage)))
+    return best

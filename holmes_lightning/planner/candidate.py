@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
+from holmes_lightning.planner.bounds import PathShapes
 from holmes_lightning.planner.cost import CostModel
 from holmes_lightning.planner.layout import Layout, StageHardware
 from holmes_lightning.planner.plan_types import StagePlan, StepPrediction, locate_virtual, virtual_stage
@@ -15,11 +16,23 @@ GB = 1e9
 
 
 @dataclass
+class RangeCosts:
+    """`Candidate.range_cost` results, for candidates of one cost model and micro-batch size to share: a stage's
+    costs depend on its speed, links, DP size and order, not on where the layout puts it."""
+
+    ids: dict[tuple, int] = field(default_factory=dict)
+    values: dict[tuple, tuple[float, float, float, float] | None] = field(default_factory=dict)
+
+    def stage_id(self, stage: tuple) -> int:
+        return self.ids.setdefault(stage, len(self.ids))
+
+
+@dataclass
 class Candidate:
     """Seconds and bytes of any layer range on any stage of `layout` (prefix sums: two lookups per range).
 
     Virtual stage v (`chunks` per stage, interleaved) sits on stage v % pp; counts are layers per virtual stage.
-    `memory_limit`: bytes per device, None = unchecked.
+    `memory_limit`: bytes per device, None = unchecked. `shapes`: what the bounds need of the schedule's orders.
     """
 
     layout: Layout
@@ -30,6 +43,7 @@ class Candidate:
     microbatches: int
     microbatch_size: int
     memory_limit: float | None = None
+    range_costs: RangeCosts = field(default_factory=lambda: RangeCosts())
 
     def __post_init__(self) -> None:
         pp, layers, mb = self.layout.pp, self.cost.profile.layers, self.microbatch_size
@@ -37,6 +51,13 @@ class Candidate:
         self.replay = Replay.of(self.schedule, pp, self.microbatches, self.chunks)
         self.orders = self.replay.orders
         self.in_flight = [peak_stash(order, [1.0] * self.chunks) for order in self.orders]
+        self.shapes = PathShapes.of(self.schedule, pp, self.microbatches, self.chunks)
+        hardware, dp = self.hardware, self.layout.dp
+        order = self.in_flight if self.chunks == 1 else range(pp)  # what memory needs of each stage's order
+        self._stage_ids = [
+            self.range_costs.stage_id((hardware.tflops[s], hardware.dp_links[s], hardware.send_links[s], order[s], dp))
+            for s in range(pp)
+        ]
         per_speed = {}
         for speed in set(self.hardware.tflops):
             forward, backward = self.cost.microbatch_seconds(speed, mb)
@@ -101,8 +122,17 @@ class Candidate:
     def range_cost(self, virtual_stage: int, start: int, stop: int) -> tuple[float, float, float, float] | None:
         """(forward, backward, send, tail) seconds of one virtual stage alone; None if it alone exceeds memory.
 
-        With several chunks per stage the tail depends on all of them, so it counts as 0 here (a lower bound).
+        With several chunks per stage the tail depends on all of them, so it counts as 0 here (a lower bound). Kept in
+        `range_costs` by what they depend on, which candidates of one cost model and micro-batch size may share.
         """
+        stage, chunk = locate_virtual(virtual_stage, self.layout.pp)
+        key = (self._stage_ids[stage], chunk, virtual_stage == self.virtual - 1, start, stop)
+        values = self.range_costs.values
+        if key not in values:
+            values[key] = self._range_cost(virtual_stage, start, stop)
+        return values[key]
+
+    def _range_cost(self, virtual_stage: int, start: int, stop: int) -> tuple[float, float, float, float] | None:
         stage, chunk = locate_virtual(virtual_stage, self.layout.pp)
         params = self.param_bytes(start, stop)
         stash = [0.0] * self.chunks

@@ -9,12 +9,14 @@ split returned is the one with the least simulated step, or none if no split get
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-from holmes_lightning.planner.bounds import SuffixBounds, latest_turns, stage_path_s
+from holmes_lightning.planner.bounds import ROUNDING, SuffixBounds, one_chunk_path_s, stage_path_s
 from holmes_lightning.planner.candidate import Candidate
 
-ROUNDING = 1e-12  # relative slack for bounds summed in another order than the simulator sums the same seconds
+REBUILD = 0.98  # rebuild the suffix tables for a search once the bar fell below this share of theirs
+DESCENTS = 3  # one chunk per stage: cycles down to this many stages below a stage count in its path bound
 
 
 @dataclass
@@ -36,6 +38,7 @@ class _Path:
     send: list[float] = field(default_factory=list)
     stops: list[int] = field(default_factory=list)
     head: list[float] = field(default_factory=lambda: [0.0])  # head[v]: forwards and sends before virtual stage v
+    trip: list[float] = field(default_factory=lambda: [0.0])  # trip[v]: work and both sends of virtual stages < v
     tails: dict[int, float] = field(default_factory=dict)
     drains: dict[int, float] = field(default_factory=dict)
 
@@ -67,13 +70,14 @@ class _Child:
         path.send.append(self.send)
         path.stops.append(self.stop)
         path.head.append(path.head[-1] + self.forward + self.send)
+        path.trip.append(path.trip[-1] + self.forward + self.backward + 2 * self.send)
         if self.tail is not None:
             path.tails[stage] = self.tail
             path.drains[stage] = self.drain
 
     @staticmethod
     def pop(path: _Path) -> None:
-        for values in (path.forward, path.backward, path.send, path.stops, path.head):
+        for values in (path.forward, path.backward, path.send, path.stops, path.head, path.trip):
             values.pop()
 
 
@@ -89,13 +93,15 @@ def split_chunks(per_stage: tuple[int, ...] | list[int], chunks: int) -> tuple[i
     return tuple(pieces[s][j] for j in range(chunks) for s in range(len(per_stage)))
 
 
-def suffix_bounds(candidate: Candidate) -> SuffixBounds:
+def suffix_bounds(candidate: Candidate, bar: float = math.inf) -> SuffixBounds:
+    """The candidate's suffix tables over splits that could get below `bar`."""
     return SuffixBounds.build(
         candidate.range_cost,
         virtual=candidate.virtual,
         layers=candidate.num_layers,
         microbatches=candidate.microbatches,
-        one_chunk=candidate.chunks == 1,
+        walks=candidate.shapes.walks,
+        bar=bar,
     )
 
 
@@ -103,7 +109,9 @@ def search_partition(
     candidate: Candidate, bar: float, stats: PartitionStats, tables: SuffixBounds | None = None
 ) -> tuple[tuple[int, ...], float] | None:
     """The split with the least simulated step below `bar`, and that step (None: no split gets below `bar`)."""
-    search = _Search(candidate, tables or suffix_bounds(candidate), stats, bar)
+    if tables is None or bar < tables.bar * REBUILD:
+        tables = suffix_bounds(candidate, bar)
+    search = _Search(candidate, tables, stats, bar)
     search.extend(_Path(), 0, 0.0)
     return search.best
 
@@ -114,8 +122,6 @@ class _Search:
         self.best: tuple[tuple[int, ...], float] | None = None
         self.pp, self.chunks, self.virtual = candidate.layout.pp, candidate.chunks, candidate.virtual
         self.m, self.layers = candidate.microbatches, candidate.num_layers
-        self.turns = latest_turns(candidate.orders[self.pp - 1], self.chunks - 1, self.m)
-        self.paths: dict[tuple[int, int, int], float] = {}  # one chunk per stage: path less head and drain
 
     def extend(self, path: _Path, v: int, bound: float) -> None:
         """Try every layer range for virtual stage `v`, cheapest bound first.
@@ -181,46 +187,38 @@ class _Search:
     def _stage_path_s(self, path: _Path, child: _Child) -> float:
         """`stage_path_s` of the stage `child` completes; the climb above it bounded by the least round trip left.
 
-        With one chunk per stage the path less its head and drain depends only on the child's range: computed once.
+        With one chunk per stage the path less its head and drain depends only on the child's range (the tables hold
+        it).
         """
-        pp, v = self.pp, child.v
+        c, pp, v = self.candidate, self.pp, child.v
         stage = v % pp
         excursion = None if v == self.virtual - 1 else 2 * child.send + self.tables.chain[v + 1][child.stop]
-        own = list(range(stage, v, pp))
-        if self.chunks == 1:
+        shapes = c.shapes
+        if shapes.walks is not None:
             key = (v, child.start, child.stop)
-            if key not in self.paths:
-                self.paths[key] = self._path_s(stage, [child.forward], [child.backward], excursion, [], [])
-            return path.head[stage] + self.paths[key] + child.drain
+            if key not in self.tables.paths:
+                self.tables.paths[key] = shapes.walks[stage].path_s(child.forward, child.backward, excursion)
+            walk = self.tables.paths[key]
+            if v > 0:  # cycles down to the stages just below, all assigned
+                descents = [(shapes.descents[s], path.trip[v] - path.trip[s]) for s in range(max(0, v - DESCENTS), v)]
+                walk = one_chunk_path_s(shapes.walks[stage], child.forward, child.backward, excursion, descents)
+            return path.head[stage] + walk + child.drain
+        own = list(range(stage, v, pp))
         up, down = [], []
         for u in own:  # hops from chunk u to chunk u + pp through the virtual stages between (all assigned)
             sends = sum(path.send[w] for w in range(u, u + pp))
             up.append(sends + sum(path.forward[w] for w in range(u + 1, u + pp)))
             down.append(sends + sum(path.backward[w] for w in range(u + 1, u + pp)))
-        forward = [path.forward[u] for u in own] + [child.forward]
-        backward = [path.backward[u] for u in own] + [child.backward]
-        return path.head[stage] + self._path_s(stage, forward, backward, excursion, up, down) + child.drain
-
-    def _path_s(
-        self,
-        stage: int,
-        forward: list[float],
-        backward: list[float],
-        excursion: float | None,
-        up: list[float],
-        down: list[float],
-    ) -> float:
-        return stage_path_s(
-            order=self.candidate.orders[stage],
-            forward=forward,
-            backward=backward,
-            head=0.0,
-            drain=0.0,
+        walk = stage_path_s(
+            order=c.orders[stage],
+            forward=[path.forward[u] for u in own] + [child.forward],
+            backward=[path.backward[u] for u in own] + [child.backward],
             excursion=excursion,
-            turns=self.turns,
+            turns=shapes.turns,
             up=up,
             down=down,
         )
+        return path.head[stage] + walk + child.drain
 
     def _finish(self, path: _Path) -> None:
         counts = tuple(path.stops[u] - path.start(u) for u in range(self.virtual))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from holmes_lightning.planner.candidate import GB, Candidate
+from holmes_lightning.planner.candidate import GB, Candidate, RangeCosts
 from holmes_lightning.planner.cost import CostModel
 from holmes_lightning.planner.layout import (
     Layout,
@@ -102,6 +102,7 @@ def plan(
     stats.layouts += len(layouts)
     shardings = (Sharding.fsdp, Sharding.none) if options.sharding is Sharding.auto else (options.sharding,)
     candidates = []
+    shared: dict[tuple, RangeCosts] = {}
     for i, sharding in enumerate(shardings):  # FSDP first: replicas win only when strictly faster
         cost = CostModel(
             topology,
@@ -115,9 +116,10 @@ def plan(
             optimizer_s_per_gb=options.optimizer_s_per_gb,
         )
         for j, (layout, stage_hardware) in enumerate(zip(layouts, hardware, strict=True)):
-            if layout.dp == 1 and sharding is Sharding.fsdp and options.sharding is Sharding.auto:
-                continue  # one rank per stage: nothing to shard, and FSDP's hooks would cost time for nothing
+            if options.sharding is Sharding.auto and _dominated(sharding, layout, options):
+                continue
             for k, microbatches in enumerate(_microbatch_counts(layout, profile, batch, options, problems)):
+                microbatch_size = batch.global_batch // layout.dp // microbatches
                 candidate = Candidate(
                     layout=layout,
                     hardware=stage_hardware,
@@ -125,8 +127,9 @@ def plan(
                     schedule=options.schedule,
                     chunks=options.chunks,
                     microbatches=microbatches,
-                    microbatch_size=batch.global_batch // layout.dp // microbatches,
+                    microbatch_size=microbatch_size,
                     memory_limit=limit,
+                    range_costs=shared.setdefault((sharding, microbatch_size), RangeCosts()),
                 )
                 candidates.append(((i, j, k), candidate))
 
@@ -138,6 +141,18 @@ def plan(
         reasons = "\n  ".join(dict.fromkeys(problems)) or "no layout fits"
         raise PlanError(f"no feasible plan for {topology.name!r} and {profile.name!r}:\n  {reasons}")
     return _as_plan(best.candidate, best.counts, options)
+
+
+def _dominated(sharding: Sharding, layout: Layout, options: PlanOptions) -> bool:
+    """A sharding the other one is never slower than on this layout, so `auto` need not try it.
+
+    One rank per stage: nothing to shard, equal costs, and FSDP's hooks would cost time for nothing: replicas. On
+    NCCL a reduce-scatter + all-gather moves what an all-reduce moves, and FSDP's optimizer step and memory are
+    smaller: FSDP.
+    """
+    if layout.dp == 1:
+        return sharding is Sharding.fsdp
+    return options.backend == "nccl" and sharding is Sharding.none
 
 
 def _memory_problem(candidate: Candidate, counts: tuple[int, ...] | None, options: PlanOptions) -> str:
@@ -189,7 +204,11 @@ def _as_plan(candidate: Candidate, counts: tuple[int, ...], options: PlanOptions
 
 
 def compare(
-    topology: Topology, profile: ModelProfile, batch: BatchSettings, options: PlanOptions | None = None
+    topology: Topology,
+    profile: ModelProfile,
+    batch: BatchSettings,
+    options: PlanOptions | None = None,
+    stats: SearchStats | None = None,
 ) -> dict[str, Plan]:
     """Holmes' plan and the alternatives under the same cost model, keyed by name.
 
@@ -197,9 +216,10 @@ def compare(
     partition, at Holmes' degrees and micro-batches (and on TCP sockets when IB and RoCE share the job).
     "flat_fsdp": one sharding group over all ranks. "homogeneous": Holmes on the same machines with every link at
     the fastest NIC's speed, the limit. An infeasible alternative is left out and named in Holmes' notes.
+    `stats`: filled with what the search for Holmes' plan did.
     """
     options = options or PlanOptions()
-    holmes = plan(topology, profile, batch, options)
+    holmes = plan(topology, profile, batch, options, stats)
     same_shape = replace(options, pp=holmes.pp, dp=holmes.dp)
     fixed_batch = replace(batch, microbatches=holmes.microbatches)
     requests = {

@@ -102,8 +102,8 @@ def search(
         if bound * (1 - ROUNDING) >= bar:
             stats.cut_quick += 1
             continue
-        tables = suffix_bounds(candidate)
-        if tables.root_s == math.inf:
+        tables = suffix_bounds(candidate, bar)
+        if tables.root_s == math.inf and bar == math.inf:
             infeasible(candidate, None)
         if tables.root_s * (1 - ROUNDING) >= bar:
             stats.cut_tables += 1
