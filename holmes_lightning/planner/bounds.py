@@ -18,7 +18,7 @@ import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import cache, partial
+from functools import cache
 
 from holmes_lightning.planner.schedules import Action
 from holmes_lightning.planner.simulate import Replay
@@ -279,7 +279,7 @@ class SuffixBounds:
         bar: float = math.inf,
     ) -> SuffixBounds:
         """`walks`: per virtual stage its `OneChunkWalk` (one chunk per stage), or None (several chunks)."""
-        inf = math.inf
+        inf, m, keep = math.inf, microbatches, bar / (1 - ROUNDING)
         tables = cls(
             chain=[[inf] * (layers + 1) for _ in range(virtual + 1)],
             reach=[[inf] * (layers + 1) for _ in range(virtual + 1)],
@@ -288,14 +288,38 @@ class SuffixBounds:
         )
         for u in range(virtual - 1, -1, -1):
             later = virtual - 1 - u
+            chain_above, reach_above = tables.chain[u + 1], tables.reach[u + 1]
+            relay_above = tables.relay[u + 1] if tables.relay is not None else None
             for x in range(u, layers - later):
                 stops = range(layers, layers + 1) if later == 0 else range(x + 1, layers - later + 1)
-                ranges = [r for r in (tables._range(cost, u, x, y, microbatches, later == 0) for y in stops) if r]
-                tables.chain[u][x] = min((r.round_trip for r in ranges), default=inf)
-                path_s = tables._floor_s if walks is None else partial(tables._walk_s, walks[u])
-                tables.reach[u][x] = _least(ranges, path_s, with_tail=True)
+                best_chain = inf
+                reach, relay = [], []  # per stop: (floor of the value, stop, forward, backward, climb, tail, past)
+                for y in stops:
+                    costs = cost(u, x, y)
+                    if costs is None:
+                        continue
+                    forward, backward, send, tail = costs
+                    work = forward + backward
+                    floor = m * work  # the stage's path is at least this
+                    if floor + tail >= keep:
+                        continue
+                    if later == 0:
+                        best_chain = min(best_chain, work)
+                        reach.append((floor + tail, y, forward, backward, None, tail, 0.0))
+                        relay.append((floor, y, forward, backward, None, 0.0, 0.0))
+                        continue
+                    climb = 2 * send + chain_above[y]
+                    best_chain = min(best_chain, work + climb)
+                    past = forward + send + reach_above[y]
+                    reach.append((max(floor + tail, past), y, forward, backward, climb, tail, past))
+                    if relay_above is not None:
+                        past = work + 2 * send + relay_above[y]
+                        relay.append((max(floor, past), y, forward, backward, climb, 0.0, past))
+                tables.chain[u][x] = best_chain
+                walk = walks[u] if walks is not None else None
+                tables.reach[u][x] = tables._least(reach, walk, u, x)
                 if tables.relay is not None:
-                    tables.relay[u][x] = _least(ranges, path_s, with_tail=False)
+                    tables.relay[u][x] = tables._least(relay, walk, u, x)
         return tables
 
     @property
@@ -303,66 +327,19 @@ class SuffixBounds:
         """A lower bound on the step of any split of the whole model that could get below `bar` (math.inf: none)."""
         return max(self.reach[0][0], self.relay[0][0] if self.relay is not None else 0.0)
 
-    def _range(self, cost: RangeCost, u: int, x: int, y: int, m: int, last: bool) -> _Range | None:
-        """Stage u holding layers [x, y), with the tables above it (None: it cannot fit or cannot beat `bar`)."""
-        costs = cost(u, x, y)
-        if costs is None:
-            return None
-        forward, backward, send, tail = costs
-        work = forward + backward
-        if (m * work + tail) * (1 - ROUNDING) >= self.bar:
-            return None
-        if last:
-            return _Range(u, x, y, forward, backward, tail, None, 0.0, 0.0, m * work)
-        climb = 2 * send + self.chain[u + 1][y]
-        reach = forward + send + self.reach[u + 1][y]
-        relay = work + 2 * send + self.relay[u + 1][y] if self.relay is not None else 0.0
-        return _Range(u, x, y, forward, backward, tail, climb, reach, relay, m * work)
+    def _least(self, options: list[tuple], walk: OneChunkWalk | None, u: int, x: int) -> float:
+        """min over a stage's ranges of max(its path + tail, what lies past it), `options` as `build` lists them.
 
-    @staticmethod
-    def _floor_s(stage: _Range) -> float:
-        return stage.floor
-
-    def _walk_s(self, walk: OneChunkWalk, stage: _Range) -> float:
-        key = (stage.u, stage.x, stage.y)
-        if key not in self.paths:
-            self.paths[key] = walk.path_s(stage.forward, stage.backward, stage.climb)
-        return self.paths[key]
-
-
-@dataclass(frozen=True)
-class _Range:
-    """One stage's layer range in the tables: its seconds, the round trip above it and the bounds past it."""
-
-    u: int
-    x: int
-    y: int
-    forward: float
-    backward: float
-    tail: float
-    climb: float | None
-    reach: float
-    relay: float
-    floor: float  # m x work: the stage's path is at least this
-
-    @property
-    def round_trip(self) -> float:
-        """Work and sends of one micro-batch through this stage and every one after it, at least."""
-        return self.forward + self.backward + (self.climb or 0.0)
-
-
-def _least(ranges: list[_Range], path_s: Callable[[_Range], float], with_tail: bool) -> float:
-    """`reach` (with the tail) or `relay`: min over ranges of max(path [+ tail], what lies past the range).
-
-    The path (at least `floor`) is computed only for ranges whose floor could still give the least value.
-    """
-
-    def value(stage: _Range, path: float) -> float:
-        return max(path + stage.tail, stage.reach) if with_tail else max(path, stage.relay)
-
-    best = math.inf
-    for stage in sorted(ranges, key=lambda r: value(r, r.floor)):
-        if value(stage, stage.floor) >= best:
-            break
-        best = min(best, value(stage, path_s(stage)))
-    return best
+        The path (at least its floor, m x work) is computed only for ranges whose floor could still give the least.
+        """
+        if walk is None:
+            return min((option[0] for option in options), default=math.inf)
+        best = math.inf
+        for floor, y, forward, backward, climb, tail, past in sorted(options):
+            if floor >= best:
+                break
+            key = (u, x, y)
+            if key not in self.paths:
+                self.paths[key] = walk.path_s(forward, backward, climb)
+            best = min(best, max(self.paths[key] + tail, past))
+        return best

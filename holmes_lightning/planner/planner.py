@@ -97,7 +97,7 @@ def plan(
     problems: list[str] = []
     options = replace(options, sharding=Sharding(options.sharding))
     limit = options.memory_limit_gb * GB if options.memory_limit_gb else None
-    layouts = _layouts(topology, options)
+    layouts = _layouts(topology, options, profile, problems)
     hardware = [StageHardware.of(topology, layout) for layout in layouts]
     stats.layouts += len(layouts)
     shardings = (Sharding.fsdp, Sharding.none) if options.sharding is Sharding.auto else (options.sharding,)
@@ -279,9 +279,20 @@ def _check_request(profile: ModelProfile, batch: BatchSettings, options: PlanOpt
         )
 
 
-def _layouts(topology: Topology, options: PlanOptions) -> list[Layout]:
-    """Candidate layouts at the requested (or every valid) pipeline and DP degree."""
+def _layouts(topology: Topology, options: PlanOptions, profile: ModelProfile, problems: list[str]) -> list[Layout]:
+    """Candidate layouts at the requested (or every valid) pipeline and DP degree.
+
+    Degrees with more (virtual) stages than the model has layers are not built (a 4,096-stage layout costs time);
+    why goes to `problems`.
+    """
     world = topology.world_size
+
+    def deep_enough(dp: int) -> bool:
+        problem = _too_deep(world // dp, options.chunks, profile)
+        if problem:
+            problems.append(problem)
+        return problem is None
+
     if options.layout == "flat_fsdp":
         return [flat_layout(topology)]
     pp, dp = options.pp, options.dp
@@ -292,7 +303,7 @@ def _layouts(topology: Topology, options: PlanOptions) -> list[Layout]:
     wanted = dp if dp is not None else (world // pp if pp is not None else None)
     if options.layout == "nic_unaware":
         sizes = [wanted] if wanted else [d for d in range(1, world + 1) if world % d == 0]
-        return [megatron_layout(topology, world // d, d) for d in sizes]
+        return [megatron_layout(topology, world // d, d) for d in sizes if deep_enough(d)]
     valid = dp_degrees(topology)
     if wanted is not None and wanted not in valid:
         groups = ", ".join(f"{g.cluster}/{g.nic.value}: {len(g.ranks)}" for g in topology.nic_groups())
@@ -302,7 +313,17 @@ def _layouts(topology: Topology, options: PlanOptions) -> list[Layout]:
             f"do not split into stages of {wanted}; use dp in {valid} (pp in {[world // d for d in valid]})"
         )
     orders = group_orders(topology)
-    return [holmes_layout(order, d) for d in ([wanted] if wanted else valid) for order in orders]
+    return [holmes_layout(order, d) for d in ([wanted] if wanted else valid) if deep_enough(d) for order in orders]
+
+
+def _too_deep(pp: int, chunks: int, profile: ModelProfile) -> str | None:
+    """Why `pp` stages of `chunks` chunks cannot each get a layer, or None."""
+    if pp * chunks <= profile.num_layers:
+        return None
+    return (
+        f"pp={pp} stages x {chunks} chunk(s) need {pp * chunks} layers but {profile.name!r} has "
+        f"{profile.num_layers}; use fewer stages (strategy.pp) or fewer chunks (strategy.chunks_per_stage)"
+    )
 
 
 def _partition_fits(options: PlanOptions, pp: int) -> bool:
@@ -314,12 +335,10 @@ def _microbatch_counts(
     layout: Layout, profile: ModelProfile, batch: BatchSettings, options: PlanOptions, problems: list[str]
 ) -> list[int]:
     """Micro-batch counts worth evaluating for this layout; reasons for rejecting it go to `problems`."""
-    pp, dp, chunks = layout.pp, layout.dp, options.chunks
-    if pp * chunks > profile.num_layers:
-        problems.append(
-            f"pp={pp} stages x {chunks} chunk(s) need {pp * chunks} layers but {profile.name!r} has "
-            f"{profile.num_layers}; use fewer stages (strategy.pp) or fewer chunks (strategy.chunks_per_stage)"
-        )
+    pp, dp = layout.pp, layout.dp
+    problem = _too_deep(pp, options.chunks, profile)
+    if problem:
+        problems.append(problem)
         return []
     if not _partition_fits(options, pp):
         problems.append(

@@ -329,12 +329,12 @@ class Topology:
         lines.append("  NIC groups (DP/sharding groups stay inside one):")
         for group in self.nic_groups():
             lines.append(f"    {group.cluster}/{group.nic.value}: ranks {list(group.ranks)} at {group.gbps:g} Gb/s")
-        lines.append("  links:")
+        lines.append(f"  links:  {'class (key of measured files)':<30}{'between':<14}{'transport':<11}{'speed':>13}")
         for link_class, example in self._link_classes():
             link = self.link_of(link_class)
             ends = "<->".join(link_class.clusters) if link_class.scope is LinkScope.inter_cluster else ""
             lines.append(
-                f"    {link_class.key:<24}{ends:<14}{link.kind.value:<11}{link.gbps:>8g} Gb/s   "
+                f"          {link_class.key:<30}{ends:<14}{link.kind.value:<11}{link.gbps:>8g} Gb/s   "
                 f"e.g. ranks {example[0]}<->{example[1]}"
             )
         return "\n".join(lines)
