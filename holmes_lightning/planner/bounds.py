@@ -136,23 +136,28 @@ class OneChunkWalk:
 class PathShapes:
     """What the path bounds need of one schedule's orders (`pp` stages, `microbatches`, `chunks` per stage).
 
-    `turns`: `latest_turns` of the top stage; `walks`: per stage its `OneChunkWalk` (one chunk per stage, else None);
-    `descents`: per stage its `descent_turns` (one chunk per stage).
+    Per virtual stage, its chunk's actions in its stage's order (the other chunks' left out): `walks` (their
+    `OneChunkWalk`) and `descents` (their `descent_turns`); `turns`: `latest_turns` of the last virtual stage.
     """
 
     turns: tuple[int, ...]
-    walks: tuple[OneChunkWalk, ...] | None
-    descents: tuple[tuple[int, ...], ...] | None
+    walks: tuple[OneChunkWalk, ...]
+    descents: tuple[tuple[int, ...], ...]
 
     @classmethod
     @cache
     def of(cls, schedule: str, pp: int, microbatches: int, chunks: int) -> PathShapes:
         orders = Replay.of(schedule, pp, microbatches, chunks).orders
-        turns = tuple(latest_turns(orders[pp - 1], chunks - 1, microbatches))
-        if chunks > 1:
-            return cls(turns, None, None)
-        walks = tuple(OneChunkWalk.of(order, turns) for order in orders)
-        return cls(turns, walks, tuple(tuple(descent_turns(order, microbatches)) for order in orders))
+        chunk_orders = [
+            [action for action in orders[virtual % pp] if action.chunk == virtual // pp]
+            for virtual in range(pp * chunks)
+        ]
+        turns = tuple(latest_turns(chunk_orders[-1], chunks - 1, microbatches))
+        return cls(
+            turns,
+            tuple(OneChunkWalk.of(order, turns) for order in chunk_orders),
+            tuple(tuple(descent_turns(order, microbatches)) for order in chunk_orders),
+        )
 
 
 def descent_turns(order: Sequence[Action], microbatches: int) -> list[int]:
@@ -246,16 +251,34 @@ def stage_path_s(
     return clock
 
 
+def water_level_s(bases: Sequence[float], rates: Sequence[float], work: float) -> float:
+    """The least possible max over stages of base + rate x share when `work` is shared out freely (shares >= 0).
+
+    A lower bound for the stages that still get layers: ignoring that layers come whole and in order can only help.
+    """
+    if work <= 0 or not bases:
+        return max(bases, default=0.0)
+    level, weights, spread = math.inf, 0.0, 0.0  # level = (work + sum base / rate) / sum 1 / rate over the lowest
+    ranked = sorted(zip(bases, rates, strict=True))
+    for i, (base, rate) in enumerate(ranked):
+        weights += 1 / rate
+        spread += base / rate
+        level = (work + spread) / weights
+        if i + 1 == len(ranked) or level <= ranked[i + 1][0]:
+            break
+    return max(level, ranked[-1][0])  # a stage already above the level gets no share and keeps its base
+
+
 @dataclass
 class SuffixBounds:
     """For every virtual stage u and first layer x: bounds over every split of layers [x, L) into stages u, u+1, ...
 
     `chain[u][x]`: the least sum of (forward + backward + 2 x send) over the stages, what one micro-batch's round trip
     through them takes at least. `reach[u][x]`: the least, over splits, of the largest (forwards and sends before
-    stage t) + stage t's path + its tail: its path measured from stage u's first forward. `relay[u][x]` (one chunk per
-    stage): the same with the way back (backwards and sends below t) instead of the tail. A stage's path is
-    `one_chunk_path_s` with the least round trip above it (one chunk per stage; `paths[(u, x, y)]`), else m x its
-    work. math.inf: no split fits.
+    stage t) + stage t's path + its tail (0 with several chunks per stage: it depends on them all): its path measured
+    from stage u's first forward. `relay[u][x]`: the same with the way back (backwards and sends below t) instead of
+    the tail. A virtual stage's path is `one_chunk_path_s` of its chunk's actions with the least round trip above it
+    (`paths[(u, x, y)]`). math.inf: no split fits.
 
     Splits only count if they could make a step below `bar`: a stage whose path and tail alone reach it cannot be in
     one, so the round trip cannot dodge the bottleneck by putting every layer on the fastest stage.
@@ -263,7 +286,7 @@ class SuffixBounds:
 
     chain: list[list[float]]
     reach: list[list[float]]
-    relay: list[list[float]] | None
+    relay: list[list[float]]
     paths: dict[tuple[int, int, int], float] = field(default_factory=dict)
     bar: float = math.inf
 
@@ -275,21 +298,21 @@ class SuffixBounds:
         virtual: int,
         layers: int,
         microbatches: int,
-        walks: Sequence[OneChunkWalk] | None,
+        walks: Sequence[OneChunkWalk],
         bar: float = math.inf,
     ) -> SuffixBounds:
-        """`walks`: per virtual stage its `OneChunkWalk` (one chunk per stage), or None (several chunks)."""
+        """`walks`: per virtual stage the `OneChunkWalk` of its chunk's actions."""
         inf, m, keep = math.inf, microbatches, bar / (1 - ROUNDING)
         tables = cls(
             chain=[[inf] * (layers + 1) for _ in range(virtual + 1)],
             reach=[[inf] * (layers + 1) for _ in range(virtual + 1)],
-            relay=[[inf] * (layers + 1) for _ in range(virtual + 1)] if walks is not None else None,
+            relay=[[inf] * (layers + 1) for _ in range(virtual + 1)],
             bar=bar,
         )
         for u in range(virtual - 1, -1, -1):
             later = virtual - 1 - u
             chain_above, reach_above = tables.chain[u + 1], tables.reach[u + 1]
-            relay_above = tables.relay[u + 1] if tables.relay is not None else None
+            relay_above = tables.relay[u + 1]
             for x in range(u, layers - later):
                 stops = range(layers, layers + 1) if later == 0 else range(x + 1, layers - later + 1)
                 best_chain = inf
@@ -312,28 +335,23 @@ class SuffixBounds:
                     best_chain = min(best_chain, work + climb)
                     past = forward + send + reach_above[y]
                     reach.append((max(floor + tail, past), y, forward, backward, climb, tail, past))
-                    if relay_above is not None:
-                        past = work + 2 * send + relay_above[y]
-                        relay.append((max(floor, past), y, forward, backward, climb, 0.0, past))
+                    past = work + 2 * send + relay_above[y]
+                    relay.append((max(floor, past), y, forward, backward, climb, 0.0, past))
                 tables.chain[u][x] = best_chain
-                walk = walks[u] if walks is not None else None
-                tables.reach[u][x] = tables._least(reach, walk, u, x)
-                if tables.relay is not None:
-                    tables.relay[u][x] = tables._least(relay, walk, u, x)
+                tables.reach[u][x] = tables._least(reach, walks[u], u, x)
+                tables.relay[u][x] = tables._least(relay, walks[u], u, x)
         return tables
 
     @property
     def root_s(self) -> float:
         """A lower bound on the step of any split of the whole model that could get below `bar` (math.inf: none)."""
-        return max(self.reach[0][0], self.relay[0][0] if self.relay is not None else 0.0)
+        return max(self.reach[0][0], self.relay[0][0])
 
-    def _least(self, options: list[tuple], walk: OneChunkWalk | None, u: int, x: int) -> float:
+    def _least(self, options: list[tuple], walk: OneChunkWalk, u: int, x: int) -> float:
         """min over a stage's ranges of max(its path + tail, what lies past it), `options` as `build` lists them.
 
         The path (at least its floor, m x work) is computed only for ranges whose floor could still give the least.
         """
-        if walk is None:
-            return min((option[0] for option in options), default=math.inf)
         best = math.inf
         for floor, y, forward, backward, climb, tail, past in sorted(options):
             if floor >= best:

@@ -66,6 +66,10 @@ class Candidate:
         self._backward = [per_speed[speed][1] for speed in self.hardware.tflops]
         self._params = _cumulative([layer.param_bytes for layer in layers])
         self._stash = _cumulative([layer.stash_bytes * mb for layer in layers])
+        fastest = max(self.hardware.tflops)
+        forward, backward = self.cost.layer_seconds(fastest)
+        self._base = _cumulative([(f + b) * mb for f, b in zip(forward, backward, strict=True)])
+        self.slowdown = [fastest / tflops for tflops in self.hardware.tflops]
         self._activation = [layer.activation_bytes * mb for layer in layers]
         self._least_activation = min(self._activation[:-1], default=0.0)  # a stage never ends at the last layer but one
 
@@ -85,6 +89,11 @@ class Candidate:
             return 0.0
         link = self.hardware.send_links[locate_virtual(virtual_stage, self.layout.pp)[0]]
         return self._activation[stop - 1] / link.bytes_per_s
+
+    def base_work_s(self, start: int, stop: int) -> float:
+        """Forward + backward of one micro-batch through layers [start, stop) on the fastest stage, less the per-layer
+        overhead: stage s takes at least `slowdown[s]` times this for them."""
+        return self._base[stop] - self._base[start]
 
     def least_send_s(self, virtual_stage: int) -> float:
         """The shortest `send_s` of a virtual stage, wherever it ends."""

@@ -1,10 +1,17 @@
 """Layers per (virtual) stage: branch and bound over every contiguous split, ranked by the simulated step.
 
-Stages are assigned layers front to back. A partial split's lower bound is the largest of: the path bounds of its
-complete stages (`bounds.stage_path_s`, the climb above each bounded by the least round trip through the layers
-left), the stay-on-one-stage bound of incomplete ones, and the suffix tables' bound for the layers left. A branch
-whose bound cannot beat `bar` is cut; every split that survives to the end is simulated (`Candidate.step_s`). So the
-split returned is the one with the least simulated step, or none if no split gets below `bar`.
+Virtual stages are assigned layers front to back. A partial split's lower bound is the largest of:
+
+- per assigned virtual stage, its path (`bounds.one_chunk_path_s` over its chunk's actions; with several chunks per
+  stage the other chunks' actions are left out, which only shortens it): the climb above it bounded by the least
+  round trip through the layers left, cycles down to the virtual stages just below, then the way down;
+- per stage whose chunks are all assigned, its path with the hops between its chunks (`bounds.stage_path_s`);
+- every action of a stage after its first forward; with several chunks per stage, the layers left shared out over
+  the stages that still get some (`bounds.water_level_s`);
+- the suffix tables' bound for the layers left (`bounds.SuffixBounds`).
+
+A branch whose bound cannot beat `bar` is cut; every split that survives to the end is simulated
+(`Candidate.step_s`). So the split returned has the least simulated step, or none if no split gets below `bar`.
 """
 
 from __future__ import annotations
@@ -12,11 +19,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from holmes_lightning.planner.bounds import ROUNDING, SuffixBounds, one_chunk_path_s, stage_path_s
+from holmes_lightning.planner.bounds import ROUNDING, SuffixBounds, one_chunk_path_s, stage_path_s, water_level_s
 from holmes_lightning.planner.candidate import Candidate
+from holmes_lightning.planner.plan_types import locate_virtual
 
 REBUILD = 0.98  # rebuild the suffix tables for a search once the bar fell below this share of theirs
-DESCENTS = 3  # one chunk per stage: cycles down to this many stages below a stage count in its path bound
+DESCENTS = 3  # cycles down to this many virtual stages below one count in its path bound
 
 
 @dataclass
@@ -31,16 +39,17 @@ class PartitionStats:
 
 @dataclass
 class _Path:
-    """The split so far: per virtual stage seconds and stops, per complete stage its tail and drain."""
+    """The split so far, per virtual stage: seconds, stop, and sums over the virtual stages before it."""
 
     forward: list[float] = field(default_factory=list)
     backward: list[float] = field(default_factory=list)
     send: list[float] = field(default_factory=list)
     stops: list[int] = field(default_factory=list)
+    drains: list[float] = field(default_factory=list)  # from its last backward to the step's end, at least
     head: list[float] = field(default_factory=lambda: [0.0])  # head[v]: forwards and sends before virtual stage v
     trip: list[float] = field(default_factory=lambda: [0.0])  # trip[v]: work and both sends of virtual stages < v
-    tails: dict[int, float] = field(default_factory=dict)
-    drains: dict[int, float] = field(default_factory=dict)
+    down: list[float] = field(default_factory=lambda: [0.0])  # down[v]: backwards and sends of virtual stages < v
+    tails: dict[int, float] = field(default_factory=dict)  # per complete stage: its exposed sync and optimizer step
 
     def start(self, v: int) -> int:
         return self.stops[v - 1] if v > 0 else 0
@@ -50,34 +59,44 @@ class _Path:
 class _Child:
     """Virtual stage `v` holding layers [start, stop) after a partial split: its seconds and a cheap bound.
 
-    `tail`/`drain` are set when it completes its stage (the stage's exposed sync and optimizer step, and the
-    longest way from its last backward to the end of the step through the stages below).
+    `tail` is set when it completes its stage; `drain` bounds the way from its last backward to the step's end.
     """
 
     v: int
+    stage: int
     start: int
     stop: int
     forward: float
     backward: float
     send: float
     tail: float | None
-    drain: float | None
+    drain: float
     bound: float
 
-    def push(self, path: _Path, stage: int) -> None:
+    def push(self, path: _Path) -> None:
         path.forward.append(self.forward)
         path.backward.append(self.backward)
         path.send.append(self.send)
         path.stops.append(self.stop)
+        path.drains.append(self.drain)
         path.head.append(path.head[-1] + self.forward + self.send)
         path.trip.append(path.trip[-1] + self.forward + self.backward + 2 * self.send)
+        path.down.append(path.down[-1] + self.backward + self.send)
         if self.tail is not None:
-            path.tails[stage] = self.tail
-            path.drains[stage] = self.drain
+            path.tails[self.stage] = self.tail
 
     @staticmethod
     def pop(path: _Path) -> None:
-        for values in (path.forward, path.backward, path.send, path.stops, path.head, path.trip):
+        for values in (
+            path.forward,
+            path.backward,
+            path.send,
+            path.stops,
+            path.drains,
+            path.head,
+            path.trip,
+            path.down,
+        ):
             values.pop()
 
 
@@ -124,10 +143,8 @@ class _Search:
         self.m, self.layers = candidate.microbatches, candidate.num_layers
 
     def extend(self, path: _Path, v: int, bound: float) -> None:
-        """Try every layer range for virtual stage `v`, cheapest bound first.
-
-        The stage path bound (the costly one) is added when a child is about to be expanded.
-        """
+        """Try every layer range for virtual stage `v`, cheapest bound first; the path bounds (the costly ones) are
+        added when a child is about to be expanded."""
         self.stats.nodes += 1
         if v == self.virtual:
             self._finish(path)
@@ -142,23 +159,24 @@ class _Search:
             else:
                 children.append(child)
         children.sort(key=lambda child: child.bound)
-        stage = v % self.pp
         for tried, child in enumerate(children):
             if child.bound * (1 - ROUNDING) >= self.bar:
                 self.stats.cut += len(children) - tried
                 return
-            full = child.bound if child.tail is None else max(child.bound, self._stage_path_s(path, child))
+            full = max(child.bound, self._virtual_path_s(path, child))
+            if child.tail is not None and self.chunks > 1:
+                full = max(full, self._stage_path_s(path, child))
             if full * (1 - ROUNDING) >= self.bar:
                 self.stats.cut += 1
                 continue
-            child.push(path, stage)
+            child.push(path)
             self.extend(path, v + 1, full)
             _Child.pop(path)
 
     def _child(self, path: _Path, v: int, start: int, stop: int, bound: float) -> _Child | None:
         """Virtual stage v holding layers [start, stop) (None: its stage goes over the memory limit)."""
-        c, pp, chunks = self.candidate, self.pp, self.chunks
-        stage, chunk = v % pp, v // pp
+        c, pp, chunks, m = self.candidate, self.pp, self.chunks, self.m
+        stage, chunk = locate_virtual(v, pp)
         forward, backward = c.forward_s(stage, start, stop), c.backward_s(stage, start, stop)
         send = c.send_s(v, stop)
         earlier = range(stage, v, pp)
@@ -168,41 +186,56 @@ class _Search:
         if not c.fits(stage, params, stash):
             return None
         work = sum(path.forward[u] + path.backward[u] for u in earlier) + forward + backward
-        tail = drain = None
-        if chunk == chunks - 1:
+        tail, ends = None, 0.0
+        if chunk == chunks - 1:  # the stage is complete: its tail follows its last action, chunk 0's last backward
             tail = c.tail_s(stage, params, sum(path.backward[u] for u in earlier) + backward)
-            drain = (
-                tail
-                if stage == 0
-                else max(tail, path.drains[stage - 1] + path.send[stage - 1] + path.backward[stage - 1])
-            )
-        bound = max(bound, path.head[stage] + self.m * work + (drain or 0.0))  # all its actions follow its first one
+            ends = path.down[v] - path.down[stage] + tail
+        drain = ends if v == 0 else max(ends, path.drains[v - 1] + path.send[v - 1] + path.backward[v - 1])
+        bound = max(bound, path.head[stage] + m * work + (tail or 0.0))  # all its actions follow its first one
         if v < self.virtual - 1:
             next_head = path.head[v] + forward + send
-            bound = max(bound, next_head + self.tables.reach[v + 1][stop])
-            if self.tables.relay is not None:  # one chunk per stage: this stage's drain is known
-                bound = max(bound, next_head + drain + send + backward + self.tables.relay[v + 1][stop])
-        return _Child(v, start, stop, forward, backward, send, tail, drain, bound)
+            bound = max(
+                bound,
+                next_head + self.tables.reach[v + 1][stop],
+                next_head + drain + send + backward + self.tables.relay[v + 1][stop],
+            )
+            if chunks > 1:
+                bound = max(bound, self._load_s(path, v, stage, work, next_head, stop))
+        return _Child(v, stage, start, stop, forward, backward, send, tail, drain, bound)
+
+    def _load_s(self, path: _Path, v: int, stage: int, work: float, next_head: float, stop: int) -> float:
+        """Several chunks per stage: the stages with chunks left share the layers left, each after its own first
+        forward and the work it has (`water_level_s`)."""
+        c, pp, m = self.candidate, self.pp, self.m
+        bases, rates = [], []
+        for s in range(pp):
+            if s + (self.chunks - 1) * pp <= v:  # complete: its whole path is in the bound already
+                continue
+            known = work if s == stage else sum(path.forward[u] + path.backward[u] for u in range(s, v, pp))
+            bases.append((path.head[s] if s <= v else next_head) + m * known)
+            rates.append(m * c.slowdown[s])
+        return water_level_s(bases, rates, c.base_work_s(stop, self.layers))
+
+    def _virtual_path_s(self, path: _Path, child: _Child) -> float:
+        """`one_chunk_path_s` of `child`'s chunk, the climb above bounded by the least round trip left.
+
+        Without cycles down, the path less its head and drain depends only on the child's range (the tables hold it).
+        """
+        v, shapes, paths = child.v, self.candidate.shapes, self.tables.paths
+        walk = shapes.walks[v]
+        excursion = None if v == self.virtual - 1 else 2 * child.send + self.tables.chain[v + 1][child.stop]
+        if v == 0:
+            key = (v, child.start, child.stop)
+            if key not in paths:
+                paths[key] = walk.path_s(child.forward, child.backward, excursion)
+            return paths[key] + child.drain
+        descents = [(shapes.descents[u], path.trip[v] - path.trip[u]) for u in range(max(0, v - DESCENTS), v)]
+        return path.head[v] + one_chunk_path_s(walk, child.forward, child.backward, excursion, descents) + child.drain
 
     def _stage_path_s(self, path: _Path, child: _Child) -> float:
-        """`stage_path_s` of the stage `child` completes; the climb above it bounded by the least round trip left.
-
-        With one chunk per stage the path less its head and drain depends only on the child's range (the tables hold
-        it).
-        """
-        c, pp, v = self.candidate, self.pp, child.v
-        stage = v % pp
+        """`stage_path_s` of the stage `child` completes (several chunks), with the hops between its chunks."""
+        c, pp, v, stage = self.candidate, self.pp, child.v, child.stage
         excursion = None if v == self.virtual - 1 else 2 * child.send + self.tables.chain[v + 1][child.stop]
-        shapes = c.shapes
-        if shapes.walks is not None:
-            key = (v, child.start, child.stop)
-            if key not in self.tables.paths:
-                self.tables.paths[key] = shapes.walks[stage].path_s(child.forward, child.backward, excursion)
-            walk = self.tables.paths[key]
-            if v > 0:  # cycles down to the stages just below, all assigned
-                descents = [(shapes.descents[s], path.trip[v] - path.trip[s]) for s in range(max(0, v - DESCENTS), v)]
-                walk = one_chunk_path_s(shapes.walks[stage], child.forward, child.backward, excursion, descents)
-            return path.head[stage] + walk + child.drain
         own = list(range(stage, v, pp))
         up, down = [], []
         for u in own:  # hops from chunk u to chunk u + pp through the virtual stages between (all assigned)
@@ -214,11 +247,11 @@ class _Search:
             forward=[path.forward[u] for u in own] + [child.forward],
             backward=[path.backward[u] for u in own] + [child.backward],
             excursion=excursion,
-            turns=shapes.turns,
+            turns=c.shapes.turns,
             up=up,
             down=down,
         )
-        return path.head[stage] + walk + child.drain
+        return path.head[stage] + walk + max(child.tail, path.drains[stage] if stage < v else 0.0)
 
     def _finish(self, path: _Path) -> None:
         counts = tuple(path.stops[u] - path.start(u) for u in range(self.virtual))

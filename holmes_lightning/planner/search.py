@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from holmes_lightning.planner.bounds import water_level_s
 from holmes_lightning.planner.candidate import Candidate
 from holmes_lightning.planner.partition import (
     ROUNDING,
@@ -103,12 +104,13 @@ def search(
             stats.cut_quick += 1
             continue
         tables = suffix_bounds(candidate, bar)
+        root = max(tables.root_s, bound)
         if tables.root_s == math.inf and bar == math.inf:
             infeasible(candidate, None)
-        if tables.root_s * (1 - ROUNDING) >= bar:
+        if root * (1 - ROUNDING) >= bar:
             stats.cut_tables += 1
             continue
-        survivors.append((tables.root_s, preference, candidate, tables))
+        survivors.append((root, preference, candidate, tables))
     for root, preference, candidate, tables in sorted(survivors, key=lambda entry: entry[:2]):
         bar = best.bar(preference) if best else math.inf
         if root * (1 - ROUNDING) >= bar:
@@ -124,11 +126,13 @@ def search(
 
 
 def quick_bound(candidate: Candidate) -> float:
-    """A lower bound on any split's step in one pass: one micro-batch's round trip, or the busiest stage's share.
+    """A lower bound on any split's step in one pass: one micro-batch's round trip, or the stages' work shared out.
 
-    Each layer takes at least its time on the layout's fastest stage, each boundary at least the smallest activation.
+    Each layer takes at least its time on the layout's fastest stage, each boundary at least the smallest activation;
+    m micro-batches of the whole model's work spread over the stages as evenly as their speeds allow.
     """
-    pp, layers = candidate.layout.pp, candidate.num_layers
-    work = min(candidate.forward_s(s, 0, layers) + candidate.backward_s(s, 0, layers) for s in range(pp))
+    pp, layers, m = candidate.layout.pp, candidate.num_layers, candidate.microbatches
+    work = candidate.base_work_s(0, layers)
     round_trip = work + 2 * sum(candidate.least_send_s(v) for v in range(candidate.virtual))
-    return max(round_trip, candidate.microbatches * work / pp)
+    spread = water_level_s([0.0] * pp, [m * slowdown for slowdown in candidate.slowdown], work)
+    return max(round_trip, spread)
