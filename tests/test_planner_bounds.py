@@ -6,8 +6,9 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_planner_simulate import virtual_stages
 
-from holmes_lightning.planner import StagePlan, simulate
+from holmes_lightning.planner import simulate
 from holmes_lightning.planner.bounds import (
     OneChunkWalk,
     PathShapes,
@@ -17,7 +18,6 @@ from holmes_lightning.planner.bounds import (
     water_level_s,
 )
 from holmes_lightning.planner.schedules import SCHEDULES, microbatch_problem, stage_actions
-from holmes_lightning.topology import LinkKind, NICKind
 
 seconds = st.floats(0.0, 5.0, allow_nan=False)
 
@@ -38,31 +38,15 @@ def pipelines(draw):
     return schedule, pp, m, chunks, forward, backward, send, tails
 
 
-def as_stages(pp, chunks, forward, backward, send, tails):
-    return [
-        StagePlan(
-            index=s,
-            ranks=(s,),
-            chunks=tuple((0, 1) for _ in range(chunks)),
-            clusters=("A",),
-            nics=(NICKind.roce,),
-            dp_link=LinkKind.INTRA_NODE,
-            forward_s=tuple(forward[s + j * pp] for j in range(chunks)),
-            backward_s=tuple(backward[s + j * pp] for j in range(chunks)),
-            send_s=tuple(send[s + j * pp] for j in range(chunks)),
-            exposed_sync_s=tails[s],
-        )
-        for s in range(pp)
-    ]
-
-
 @settings(max_examples=150, deadline=None)
 @given(pipelines())
 def test_every_path_bound_stays_under_the_simulated_step(pipeline):
     """Each stage's path (with hops and excursions) and each virtual stage's (with cycles down), with their heads
     and drains, against the replay of the same step."""
     schedule, pp, m, chunks, forward, backward, send, tails = pipeline
-    step = simulate(as_stages(pp, chunks, forward, backward, send, tails), schedule, m).total_s
+    step = simulate(
+        virtual_stages(pp, forward=forward, backward=backward, sends=send, tails=tails), schedule, m
+    ).total_s
     virtual = pp * chunks
     shapes = PathShapes.of(schedule, pp, m, chunks)
     orders = [stage_actions(schedule, s, pp, m, chunks) for s in range(pp)]
