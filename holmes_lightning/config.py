@@ -183,11 +183,15 @@ class TrainConfig:
 
 @dataclass
 class PlanConfig:
-    """The `plan` CLI's outputs (the plan settings themselves are `strategy.*`, as for train.py)."""
+    """The `plan` CLI's outputs (the plan settings themselves are `strategy.*`, as for train.py).
+
+    `verbose`: also print what the search did (candidates, what its bounds cut, splits simulated).
+    """
 
     out: str | None = None
     json: str | None = None
     bytes_per_value: int = 2
+    verbose: bool = False
 
     def __post_init__(self) -> None:
         _require(self.bytes_per_value in (2, 4), "plan.bytes_per_value", self.bytes_per_value, "use 2 (bf16) or 4")

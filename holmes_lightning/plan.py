@@ -1,8 +1,9 @@
 """`python -m holmes_lightning.plan cluster=two_cluster_mixed model=gpt_7_5b [plan.out=plan.png]`: plan, don't run.
 
-Prints the topology, Holmes' plan (rank map, stages and their layers, DP groups with NIC kind and link speed) and
-the predicted step of Holmes next to the alternatives; `plan.out` draws the cluster map and timelines,
-`plan.json` writes Holmes' plan for `Plan.from_json`.
+Prints the topology (with the links between each pair of clusters), Holmes' plan (rank map, stages and their layers,
+DP groups with NIC kind and link speed) and the predicted step of Holmes next to the alternatives; `plan.verbose=true`
+adds what the search did, `plan.out` draws the cluster map and timelines, `plan.json` writes Holmes' plan for
+`Plan.from_json`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from holmes_lightning.config import PlanJobConfig, register_configs
 from holmes_lightning.planner import BatchSettings, ModelProfile, PlanError, compare
 from holmes_lightning.planner.draw import draw_plans
 from holmes_lightning.planner.report import format_comparison, format_plan
+from holmes_lightning.planner.search import SearchStats
 from holmes_lightning.topology import Topology, TopologyError, config_dir
 
 register_configs()
@@ -33,7 +35,10 @@ def run(config: PlanJobConfig) -> dict:
         f"global batch {config.data.global_batch} x {profile.tokens_per_sample} tokens\n"
     )
     batch = BatchSettings(config.data.global_batch, strategy.microbatches)
-    plans = compare(topology, profile, batch, strategy.plan_options())
+    stats = SearchStats()
+    plans = compare(topology, profile, batch, strategy.plan_options(), stats)
+    if knobs.verbose:
+        print(stats.summary() + "\n")
     print(format_plan(plans["holmes"], profile))
     print()
     print(format_comparison(plans))

@@ -131,7 +131,7 @@ def test_probe_pairs_cover_every_link_class():
     fabric_nodes = {node.index for node in topology.nodes if node.nic.is_rdma}
     pairs = plan_pairs(topology, fabric_nodes)
     ranks = range(topology.world_size)
-    classes = {topology.link_class(a, b, rdma) for a in ranks for b in ranks for rdma in (True, False)}
+    classes = {topology.link_class(a, b, rdma).key for a in ranks for b in ranks for rdma in (True, False)}
     assert {pair.link_class for pair in pairs} == classes
     assert all(pair.via == "fabric" for pair in pairs if pair.link_class.startswith("rdma:"))
 

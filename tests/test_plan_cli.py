@@ -1,5 +1,6 @@
 """`python -m holmes_lightning.plan`: the table, the picture, the JSON, and clear errors for bad settings."""
 
+import itertools
 import subprocess
 import sys
 
@@ -82,3 +83,22 @@ def test_module_entry_point_and_bad_input():
     )
     assert bad.returncode != 0
     assert "strategy.dp=3" in bad.stderr and "use dp in [1, 2]" in bad.stderr
+
+
+def test_cli_shows_links_per_pair_of_clusters_and_what_the_search_did(capsys):
+    plans = run(composed("cluster=multi_site", "model=gpt_small", "data.global_batch=24", "plan.verbose=true"))
+    out = capsys.readouterr().out
+    for text in ("inter_cluster:A<->B", "inter_cluster:B<->C", "A<->C", "10 Gb/s", "25 Gb/s", "search:", "simulated"):
+        assert text in out, text
+    order = [stage.clusters[0] for stage in plans["holmes"].stages]
+    assert all({a, b} != {"A", "C"} for a, b in itertools.pairwise(order)), "the 10 Gb/s A-C link is no boundary"
+    holmes = plans["holmes"].prediction.total_s
+    assert all(holmes <= plans[name].prediction.total_s for name in ("uniform", "nic_unaware", "flat_fsdp"))
+
+
+def test_paper_setting_prints_a_plan_no_worse_than_its_alternatives(capsys):
+    plans = run(composed("cluster=paper_4ib_4roce", "model=gpt_7_5b"))
+    holmes = plans["holmes"]
+    for name in ("uniform", "nic_unaware", "flat_fsdp"):
+        assert holmes.prediction.total_s <= plans[name].prediction.total_s, name
+    assert holmes.prediction.total_s < plans["uniform"].prediction.total_s

@@ -11,8 +11,19 @@ from holmes_lightning.topology import NICKind
 def stages(forward, backward, sends=None, syncs=None, chunks=1):
     """Stages with per-chunk times; `forward[s]` is one number (every chunk the same) per stage."""
     pp = len(forward)
-    sends = sends or [0.0] * pp
-    syncs = syncs or [0.0] * pp
+    per_virtual = [s % pp for s in range(pp * chunks)]
+    return virtual_stages(
+        pp,
+        forward=[forward[s] for s in per_virtual],
+        backward=[backward[s] for s in per_virtual],
+        sends=[(sends or [0.0] * pp)[s] for s in per_virtual],
+        tails=syncs or [0.0] * pp,
+    )
+
+
+def virtual_stages(pp, *, forward, backward, sends, tails):
+    """`pp` stages with per virtual stage seconds (virtual stage v on stage v % pp) and per-stage exposed syncs."""
+    chunks = len(forward) // pp
     return [
         StagePlan(
             index=s,
@@ -20,10 +31,10 @@ def stages(forward, backward, sends=None, syncs=None, chunks=1):
             chunks=tuple((0, 1) for _ in range(chunks)),
             clusters=("A",),
             nics=(NICKind.infiniband,),
-            forward_s=(forward[s],) * chunks,
-            backward_s=(backward[s],) * chunks,
-            send_s=(sends[s],) * chunks,
-            exposed_sync_s=syncs[s],
+            forward_s=tuple(forward[s + j * pp] for j in range(chunks)),
+            backward_s=tuple(backward[s + j * pp] for j in range(chunks)),
+            send_s=tuple(sends[s + j * pp] for j in range(chunks)),
+            exposed_sync_s=tails[s],
         )
         for s in range(pp)
     ]

@@ -1,3 +1,4 @@
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -6,8 +7,11 @@ from hypothesis import strategies as st
 
 from holmes_lightning.topology import (
     ClusterGroupSpec,
+    ClusterPairSpec,
     ClusterSpec,
+    InterClusterSpec,
     LinkKind,
+    LinkScope,
     NICKind,
     NICSpec,
     Topology,
@@ -97,6 +101,21 @@ def test_measured_bandwidths_replace_configured(tmp_path: Path):
     assert topology.link(2, 3).gbps == 200
 
 
+def _multisite(pairs=None, gbps=10):
+    """Three sites: A-B 100 Gb/s, B-C 25, A-C the default (`pairs` replaces the list)."""
+    clusters = [
+        {"name": "A", "nodes": 2, "nic": {"kind": "infiniband", "gbps": 200}},
+        {"name": "B", "nodes": 2, "nic": {"kind": "roce", "gbps": 200}},
+        {"name": "C", "nodes": 2, "nic": {"kind": "ethernet", "gbps": 100}},
+    ]
+    default = [{"clusters": ["A", "B"], "gbps": 100}, {"clusters": ["C", "B"], "gbps": 25}]
+    return {
+        "name": "sites",
+        "clusters": clusters,
+        "inter_cluster": {"gbps": gbps, "pairs": default if pairs is None else pairs},
+    }
+
+
 def _cluster(**overrides):
     base = {"name": "bad", "clusters": [{"name": "A", "nodes": 2, "nic": {"kind": "infiniband", "gbps": 200}}]}
     base.update(overrides)
@@ -116,6 +135,15 @@ def _cluster(**overrides):
         (_cluster(inter_cluster={"gbps": -5}), "inter_cluster.gbps=-5"),
         (_cluster(clusters=[{"name": "A", "nodez": 2}]), "nodez"),
         (_cluster(devices_per_node="eight"), "devices_per_node"),
+        (_cluster(inter_cluster={"pairs": [{"clusters": ["A", "Z"], "gbps": 5}]}), "pairs[0].clusters: ['Z']"),
+        (_cluster(inter_cluster={"pairs": [{"clusters": ["A", "A"], "gbps": 5}]}), "two different clusters"),
+        (_cluster(inter_cluster={"pairs": [{"clusters": ["A"], "gbps": 5}]}), "pairs[0].clusters=['A']"),
+        (_cluster(inter_cluster={"pairs": [{"clusters": ["A", "B"], "gbz": 5}]}), "gbz"),
+        (_multisite(pairs=[{"clusters": ["A", "B"], "gbps": 0}]), "pairs[0].gbps=0"),
+        (
+            _multisite(pairs=[{"clusters": ["A", "B"], "gbps": 5}, {"clusters": ["B", "A"], "gbps": 6}]),
+            "pairs[1]: the pair ['A', 'B'] is already given by inter_cluster.pairs[0]",
+        ),
     ],
 )
 def test_invalid_configs_name_the_field(config, message):
@@ -172,3 +200,73 @@ def test_random_shapes_keep_the_invariants(groups, inter):
             assert link == topology.link(b, a) and link.gbps > 0
             if topology.ranks[a].cluster != topology.ranks[b].cluster:
                 assert link.kind is LinkKind.TCP and link.gbps <= inter
+
+
+def test_inter_cluster_speed_per_pair_of_clusters(tmp_path: Path):
+    topology = Topology.from_config(_multisite())
+    a, b, c = 0, 2, 4  # a rank of each cluster
+    assert topology.link(a, b) == topology.link(b, a) == Topology.from_config(_multisite()).link(a, b)
+    assert (topology.link(a, b).gbps, topology.link(b, c).gbps, topology.link(a, c).gbps) == (100, 25, 10)
+    assert topology.link(a, b).kind is LinkKind.TCP
+    assert topology.link(0, 1, rdma=False).gbps == 10, "TCP forced inside a cluster runs on the default Ethernet"
+    assert [str(topology.link_class(*pair)) for pair in ((a, b), (c, b), (a, c), (0, 1))] == [
+        "inter_cluster:A<->B",
+        "inter_cluster:B<->C",
+        "inter_cluster",
+        "rdma:A",
+    ]
+    listed = topology.link_class(a, b)
+    assert (listed.scope, listed.clusters, listed.pair_listed) == (LinkScope.inter_cluster, ("A", "B"), True)
+    summary = str(topology)
+    for text in ("inter_cluster:A<->B", "A<->C", "100 Gb/s", "25 Gb/s", "10 Gb/s"):
+        assert text in summary
+    assert topology.slowest_link((a, b, c)).gbps == 10
+    assert topology.slowest_link((0, 1, b)).gbps == 100
+    spec = ClusterSpec(
+        name="typed",
+        clusters=[ClusterGroupSpec(name=n, nic=NICSpec("roce", 200)) for n in "XY"],
+        inter_cluster=InterClusterSpec(50, [ClusterPairSpec(["Y", "X"], 20)]),
+    )
+    assert Topology(spec).link(0, 1).gbps == 20
+    assert Topology(replace(spec, inter_cluster=spec.inter_cluster.scaled(0.5))).link(0, 1).gbps == 10
+    measured = tmp_path / "probe.json"
+    measured.write_text('{"links": {"inter_cluster:A<->B": 60, "inter_cluster": 7}}')
+    probed = Topology.from_config(_multisite() | {"measured": str(measured)})
+    assert (probed.link(a, b).gbps, probed.link(b, c).gbps, probed.link(a, c).gbps) == (60, 7, 7)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    groups=cluster_groups,
+    pair_speeds=st.lists(st.sampled_from([5.0, 25.0, 400.0]), min_size=6, max_size=6),
+    data=st.data(),
+)
+def test_slowest_link_per_class_matches_every_pair(groups, pair_speeds, data):
+    names = [f"c{i}" for i in range(len(groups))]
+    pairs = [(a, b) for i, a in enumerate(names) for b in names[i + 1 :]]
+    listed = data.draw(st.lists(st.sampled_from(pairs), unique=True)) if pairs else []
+    spec = ClusterSpec(
+        name="random",
+        clusters=[
+            ClusterGroupSpec(name=name, nodes=nodes, devices_per_node=devices, nic=NICSpec(kind.value, gbps))
+            for name, (nodes, devices, kind, gbps) in zip(names, groups, strict=True)
+        ],
+        inter_cluster=InterClusterSpec(
+            50.0, [ClusterPairSpec(list(p), s) for p, s in zip(listed, pair_speeds, strict=False)]
+        ),
+    )
+    topology = Topology(spec)
+    if topology.world_size < 2:
+        return
+    ranks = data.draw(st.lists(st.sampled_from(range(topology.world_size)), min_size=2, unique=True))
+    for rdma in (True, False):
+        every_pair = [topology.link(a, b, rdma) for i, a in enumerate(ranks) for b in ranks[i + 1 :]]
+        slowest = topology.slowest_link(ranks, rdma)
+        assert slowest.gbps == min(link.gbps for link in every_pair)
+        assert slowest in every_pair
+        if any(link.kind is LinkKind.TCP and link.gbps == slowest.gbps for link in every_pair):
+            assert slowest.kind is LinkKind.TCP, "on equal speed a TCP hop decides the transport"
+    text = str(topology)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            assert f"{a}<->{b}" in text

@@ -134,7 +134,7 @@ def lab_topology(topology: Topology, bandwidth_scale: float, device_tflops: floa
         clusters=clusters,
         device_tflops=device_tflops,
         intra_node=LinkSpec(spec.intra_node.gbps * bandwidth_scale),
-        inter_cluster=LinkSpec(spec.inter_cluster.gbps * bandwidth_scale),
+        inter_cluster=spec.inter_cluster.scaled(bandwidth_scale),
     )
     return Topology(lab_spec)
 

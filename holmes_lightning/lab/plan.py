@@ -83,7 +83,7 @@ def plan_lab(topology: Topology, bandwidth_scale: float, pid: int | None = None)
             for address, rdma in ((ethernet[peer.index], False), (fabric[peer.index], True)):
                 if address is not None:
                     a, b = node.ranks[0], peer.ranks[0]
-                    key = (configured.link_class(a, b, rdma), configured.link(a, b, rdma).gbps)
+                    key = (configured.link_class(a, b, rdma).key, configured.link(a, b, rdma).gbps)
                     classes.setdefault(key, []).append(address)
         egress = tuple(
             EgressClass(link_class, gbps, gbps * 1000 * bandwidth_scale, tuple(destinations))

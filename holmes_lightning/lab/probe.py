@@ -90,12 +90,12 @@ def plan_pairs(topology: Topology, fabric_nodes: set[int]) -> list[Pair]:
     for i, node in enumerate(topology.nodes):
         if len(node.ranks) > 1:
             a, b = node.ranks[:2]
-            pairs.append((topology.link_class(a, b), topology.link(a, b).gbps, a, b, "loopback"))
+            pairs.append((topology.link_class(a, b).key, topology.link(a, b).gbps, a, b, "loopback"))
         for peer in topology.nodes[i + 1 :]:
             a, b = node.ranks[0], peer.ranks[0]
-            pairs.append((topology.link_class(a, b, False), topology.link(a, b, False).gbps, a, b, "ethernet"))
+            pairs.append((topology.link_class(a, b, False).key, topology.link(a, b, False).gbps, a, b, "ethernet"))
             if {node.index, peer.index} <= fabric_nodes:
-                pairs.append((topology.link_class(a, b), topology.link(a, b).gbps, a, b, "fabric"))
+                pairs.append((topology.link_class(a, b).key, topology.link(a, b).gbps, a, b, "fabric"))
     return [Pair(index, *pair) for index, pair in enumerate(pairs)]
 
 

@@ -1,116 +1,214 @@
-"""One candidate plan, a layout at one micro-batch count: stage costs for the partition, then exact stage plans."""
+"""One candidate plan, a layout at one micro-batch count: costs of any layer range on any stage, exact stage plans."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
+from holmes_lightning.planner.bounds import PathShapes
 from holmes_lightning.planner.cost import CostModel
-from holmes_lightning.planner.layout import Layout, boundary_link
-from holmes_lightning.planner.partition import StageCost
-from holmes_lightning.planner.plan_types import StagePlan, StepPrediction, virtual_stage
-from holmes_lightning.planner.schedules import peak_stash, stage_actions
-from holmes_lightning.planner.simulate import simulate
+from holmes_lightning.planner.layout import Layout, StageHardware
+from holmes_lightning.planner.plan_types import StagePlan, StepPrediction, locate_virtual, virtual_stage
+from holmes_lightning.planner.schedules import peak_stash
+from holmes_lightning.planner.simulate import Replay, simulate
 
 GB = 1e9
 
 
 @dataclass
+class RangeCosts:
+    """`Candidate.range_cost` results, for candidates of one cost model and micro-batch size to share: a stage's
+    costs depend on its speed, links, DP size and order, not on where the layout puts it."""
+
+    ids: dict[tuple, int] = field(default_factory=dict)
+    values: dict[tuple, tuple[float, float, float, float] | None] = field(default_factory=dict)
+
+    def stage_id(self, stage: tuple) -> int:
+        return self.ids.setdefault(stage, len(self.ids))
+
+
+@dataclass
 class Candidate:
-    """Seconds and bytes of any layer range on any stage of `layout` (prefix sums: two lookups per range)."""
+    """Seconds and bytes of any layer range on any stage of `layout` (prefix sums: two lookups per range).
+
+    Virtual stage v (`chunks` per stage, interleaved) sits on stage v % pp; counts are layers per virtual stage.
+    `memory_limit`: bytes per device, None = unchecked. `shapes`: what the bounds need of the schedule's orders.
+    """
 
     layout: Layout
+    hardware: StageHardware
     cost: CostModel
     schedule: str
     chunks: int
     microbatches: int
     microbatch_size: int
+    memory_limit: float | None = None
+    range_costs: RangeCosts = field(default_factory=lambda: RangeCosts())
 
     def __post_init__(self) -> None:
-        topology, layers = self.cost.topology, self.cost.profile.layers
-        self.speeds = [min(topology.device_tflops(r) for r in stage.ranks) for stage in self.layout.stages]
-        seconds = {speed: self.cost.microbatch_seconds(speed, self.microbatch_size) for speed in set(self.speeds)}
-        self.seconds = [seconds[speed] for speed in self.speeds]
-        stages = self.layout.stages
-        self.dp_links = [self.cost.dp_link(stage.ranks) for stage in stages]
-        following = stages[1:] + stages[:1]
-        pairs = zip(stages, following, strict=True)
-        self.send_links = [boundary_link(topology, a, b, self.cost.rdma) for a, b in pairs]
-        self.orders = [
-            stage_actions(self.schedule, s, self.layout.pp, self.microbatches, self.chunks) for s in range(len(stages))
+        pp, layers, mb = self.layout.pp, self.cost.profile.layers, self.microbatch_size
+        self.virtual = pp * self.chunks
+        self.replay = Replay.of(self.schedule, pp, self.microbatches, self.chunks)
+        self.orders = self.replay.orders
+        self.in_flight = [peak_stash(order, [1.0] * self.chunks) for order in self.orders]
+        self.shapes = PathShapes.of(self.schedule, pp, self.microbatches, self.chunks)
+        hardware, dp = self.hardware, self.layout.dp
+        order = self.in_flight if self.chunks == 1 else range(pp)  # what memory needs of each stage's order
+        self._stage_ids = [
+            self.range_costs.stage_id((hardware.tflops[s], hardware.dp_links[s], hardware.send_links[s], order[s], dp))
+            for s in range(pp)
         ]
-        self._sums = {
-            "forward": [_cumulative(fwd) for fwd, _ in self.seconds],
-            "backward": [_cumulative(bwd) for _, bwd in self.seconds],
-            "params": [_cumulative([layer.param_bytes for layer in layers])],
-            "stash": [_cumulative([layer.stash_bytes for layer in layers])],
-        }
+        per_speed = {}
+        for speed in set(self.hardware.tflops):
+            forward, backward = self.cost.microbatch_seconds(speed, mb)
+            per_speed[speed] = (_cumulative(forward), _cumulative(backward))
+        self._forward = [per_speed[speed][0] for speed in self.hardware.tflops]
+        self._backward = [per_speed[speed][1] for speed in self.hardware.tflops]
+        self._params = _cumulative([layer.param_bytes for layer in layers])
+        self._stash = _cumulative([layer.stash_bytes * mb for layer in layers])
+        fastest = max(self.hardware.tflops)
+        forward, backward = self.cost.layer_seconds(fastest)
+        self._base = _cumulative([(f + b) * mb for f, b in zip(forward, backward, strict=True)])
+        self.slowdown = [fastest / tflops for tflops in self.hardware.tflops]
+        self._activation = [layer.activation_bytes * mb for layer in layers]
+        self._least_activation = min(self._activation[:-1], default=0.0)  # a stage never ends at the last layer but one
 
-    def _range(self, name: str, start: int, stop: int, stage: int = 0) -> float:
-        sums = self._sums[name][stage]
-        return sums[stop] - sums[start]
+    @property
+    def num_layers(self) -> int:
+        return self.cost.profile.num_layers
 
-    def stage_cost(self, stage: int, start: int, stop: int, memory_limit: float | None) -> StageCost | None:
-        """Stage `stage` holding layers [start, stop) as one contiguous load (None: above the memory limit)."""
-        mb, layout, cost = self.microbatch_size, self.layout, self.cost
-        backward = self._range("backward", start, stop, stage)
-        compute = self._range("forward", start, stop, stage) + backward
-        send = 0.0
-        if stage < layout.pp - 1:
-            send = cost.profile.layers[stop - 1].activation_bytes * mb / self.send_links[stage].bytes_per_s
-        params = self._range("params", start, stop)
-        sync = cost.dp_sync_s(layout.dp, self.dp_links[stage], params)
-        if memory_limit is not None:
-            in_flight = peak_stash(self.orders[stage], [1.0] * self.chunks)
-            stash = in_flight * self._range("stash", start, stop) * mb / self.chunks
-            pipelined = layout.pp * self.chunks > 1
-            if cost.memory_bytes(params, dp=layout.dp, stash_bytes=stash, pipelined=pipelined) > memory_limit:
-                return None
-        return StageCost(compute, send, cost.exposed_sync_s(sync, backward) + cost.update_s(params, layout.dp))
+    def forward_s(self, stage: int, start: int, stop: int) -> float:
+        return self._forward[stage][stop] - self._forward[stage][start]
 
-    def stage_plans(self, counts: tuple[int, ...]) -> list[StagePlan]:
-        """Exact per-chunk seconds, transfers, syncs and memory for layers per virtual stage `counts`."""
-        pp, mb, cost = self.layout.pp, self.microbatch_size, self.cost
-        layers = cost.profile.layers
-        bounds = [0]
+    def backward_s(self, stage: int, start: int, stop: int) -> float:
+        return self._backward[stage][stop] - self._backward[stage][start]
+
+    def send_s(self, virtual_stage: int, stop: int) -> float:
+        """One micro-batch's activation (or gradient) from a virtual stage ending at layer `stop` to the next one."""
+        if virtual_stage == self.virtual - 1:
+            return 0.0
+        link = self.hardware.send_links[locate_virtual(virtual_stage, self.layout.pp)[0]]
+        return self._activation[stop - 1] / link.bytes_per_s
+
+    def base_work_s(self, start: int, stop: int) -> float:
+        """Forward + backward of one micro-batch through layers [start, stop) on the fastest stage, less the per-layer
+        overhead: stage s takes at least `slowdown[s]` times this for them."""
+        return self._base[stop] - self._base[start]
+
+    def least_send_s(self, virtual_stage: int) -> float:
+        """The shortest `send_s` of a virtual stage, wherever it ends."""
+        if virtual_stage == self.virtual - 1:
+            return 0.0
+        link = self.hardware.send_links[locate_virtual(virtual_stage, self.layout.pp)[0]]
+        return self._least_activation / link.bytes_per_s
+
+    def param_bytes(self, start: int, stop: int) -> float:
+        return self._params[stop] - self._params[start]
+
+    def stash_bytes(self, start: int, stop: int) -> float:
+        """Activations one micro-batch leaves for the backward pass in layers [start, stop)."""
+        return self._stash[stop] - self._stash[start]
+
+    def sync_s(self, stage: int, param_bytes: float) -> float:
+        return self.cost.dp_sync_s(self.layout.dp, self.hardware.dp_links[stage], param_bytes)
+
+    def tail_s(self, stage: int, param_bytes: float, backward_s: float) -> float:
+        """What follows a stage's last backward: the sync backward does not hide, then the optimizer step."""
+        sync = self.sync_s(stage, param_bytes)
+        return self.cost.exposed_sync_s(sync, backward_s) + self.cost.update_s(param_bytes, self.layout.dp)
+
+    def memory_bytes(self, stage: int, param_bytes: float, stash_per_chunk: Sequence[float]) -> float:
+        """Peak bytes per device of a stage holding these parameters and per-chunk stashes (one micro-batch each)."""
+        if self.chunks == 1:
+            stash = self.in_flight[stage] * stash_per_chunk[0]
+        else:
+            stash = peak_stash(self.orders[stage], stash_per_chunk)
+        return self.cost.memory_bytes(param_bytes, dp=self.layout.dp, stash_bytes=stash, pipelined=self.virtual > 1)
+
+    def fits(self, stage: int, param_bytes: float, stash_per_chunk: Sequence[float]) -> bool:
+        return self.memory_limit is None or self.memory_bytes(stage, param_bytes, stash_per_chunk) <= self.memory_limit
+
+    def range_cost(self, virtual_stage: int, start: int, stop: int) -> tuple[float, float, float, float] | None:
+        """(forward, backward, send, tail) seconds of one virtual stage alone; None if it alone exceeds memory.
+
+        With several chunks per stage the tail depends on all of them, so it counts as 0 here (a lower bound). Kept in
+        `range_costs` by what they depend on, which candidates of one cost model and micro-batch size may share.
+        """
+        stage, chunk = locate_virtual(virtual_stage, self.layout.pp)
+        key = (self._stage_ids[stage], chunk, virtual_stage == self.virtual - 1, start, stop)
+        values = self.range_costs.values
+        if key not in values:
+            values[key] = self._range_cost(virtual_stage, start, stop)
+        return values[key]
+
+    def _range_cost(self, virtual_stage: int, start: int, stop: int) -> tuple[float, float, float, float] | None:
+        stage, chunk = locate_virtual(virtual_stage, self.layout.pp)
+        params = self.param_bytes(start, stop)
+        stash = [0.0] * self.chunks
+        stash[chunk] = self.stash_bytes(start, stop)
+        if not self.fits(stage, params, stash):
+            return None
+        backward = self.backward_s(stage, start, stop)
+        tail = self.tail_s(stage, params, backward) if self.chunks == 1 else 0.0
+        return self.forward_s(stage, start, stop), backward, self.send_s(virtual_stage, stop), tail
+
+    def bounds_of(self, counts: Sequence[int]) -> list[tuple[int, int]]:
+        """Layer range [start, stop) of every virtual stage."""
+        ranges, start = [], 0
         for count in counts:
-            bounds.append(bounds[-1] + count)
-        last_virtual = pp * self.chunks - 1
+            ranges.append((start, start + count))
+            start += count
+        return ranges
+
+    def step_s(self, counts: Sequence[int]) -> float | None:
+        """The simulated step of layers per virtual stage `counts` (None: a stage exceeds the memory limit)."""
+        pp, chunks = self.layout.pp, self.chunks
+        ranges = self.bounds_of(counts)
+        stage_of = [locate_virtual(v, pp)[0] for v in range(self.virtual)]
+        forward = [self.forward_s(stage_of[v], a, b) for v, (a, b) in enumerate(ranges)]
+        backward = [self.backward_s(stage_of[v], a, b) for v, (a, b) in enumerate(ranges)]
+        send = [self.send_s(v, b) for v, (_, b) in enumerate(ranges)]
+        tails = []
+        for s in range(pp):
+            own = virtual_stages(s, chunks, pp)
+            params = sum(self.param_bytes(*ranges[k]) for k in own)
+            if not self.fits(s, params, [self.stash_bytes(*ranges[k]) for k in own]):
+                return None
+            tails.append(self.tail_s(s, params, sum(backward[k] for k in own)))
+        return self.replay.step_s(forward, backward, send, tails)
+
+    def stage_plans(self, counts: Sequence[int]) -> list[StagePlan]:
+        """Exact per-chunk seconds, transfers, syncs and memory for layers per virtual stage `counts`."""
+        pp, dp = self.layout.pp, self.layout.dp
+        ranges = self.bounds_of(counts)
         plans = []
         for s, group in enumerate(self.layout.stages):
-            virtual = [virtual_stage(s, j, pp) for j in range(self.chunks)]
-            ranges = tuple((bounds[k], bounds[k + 1]) for k in virtual)
-            fwd, bwd = self.seconds[s]
-            link, dp_link = self.send_links[s], self.dp_links[s]
-            backward = tuple(sum(bwd[a:b]) for a, b in ranges)
-            sends = tuple(
-                0.0 if k == last_virtual else layers[b - 1].activation_bytes * mb / link.bytes_per_s
-                for k, (_, b) in zip(virtual, ranges, strict=True)
-            )
-            params = sum(self._range("params", a, b) for a, b in ranges)
-            sync = cost.dp_sync_s(self.layout.dp, dp_link, params)
-            peak = peak_stash(self.orders[s], [self._range("stash", a, b) * mb for a, b in ranges])
+            own = tuple(ranges[k] for k in virtual_stages(s, self.chunks, pp))
+            link, dp_link = self.hardware.send_links[s], self.hardware.dp_links[s]
+            backward = tuple(self.backward_s(s, a, b) for a, b in own)
+            params = sum(self.param_bytes(a, b) for a, b in own)
+            sync = self.sync_s(s, params)
             plans.append(
                 StagePlan(
                     index=s,
                     ranks=group.ranks,
-                    chunks=ranges,
+                    chunks=own,
                     clusters=group.clusters,
                     nics=group.nics,
                     dp_link=dp_link.kind,
-                    dp_gbps=dp_link.gbps if self.layout.dp > 1 else 0.0,
-                    device_tflops=self.speeds[s],
-                    forward_s=tuple(sum(fwd[a:b]) for a, b in ranges),
+                    dp_gbps=dp_link.gbps if dp > 1 else 0.0,
+                    device_tflops=self.hardware.tflops[s],
+                    forward_s=tuple(self.forward_s(s, a, b) for a, b in own),
                     backward_s=backward,
-                    send_s=sends,
+                    send_s=tuple(
+                        self.send_s(k, b) for k, (_, b) in zip(virtual_stages(s, self.chunks, pp), own, strict=True)
+                    ),
                     send_link=link.kind if pp > 1 else None,
                     send_gbps=link.gbps if pp > 1 else 0.0,
                     sync_s=sync,
-                    exposed_sync_s=cost.exposed_sync_s(sync, sum(backward)),
-                    update_s=cost.update_s(params, self.layout.dp),
-                    memory_gb=cost.memory_bytes(
-                        params, dp=self.layout.dp, stash_bytes=peak, pipelined=pp * self.chunks > 1
-                    )
-                    / GB,
+                    exposed_sync_s=self.cost.exposed_sync_s(sync, sum(backward)),
+                    update_s=self.cost.update_s(params, dp),
+                    memory_gb=self.memory_bytes(s, params, [self.stash_bytes(a, b) for a, b in own]) / GB,
                 )
             )
         return plans
@@ -139,6 +237,11 @@ class Candidate:
             tflops_per_device=profile.flops_per_sample * samples * per_s / world / 1e12,
             memory_gb=max(s.memory_gb for s in stages),
         )
+
+
+def virtual_stages(stage: int, chunks: int, pp: int) -> list[int]:
+    """The virtual stages a stage runs, chunk by chunk."""
+    return [virtual_stage(stage, chunk, pp) for chunk in range(chunks)]
 
 
 def _cumulative(values: list[float]) -> list[float]:

@@ -66,9 +66,16 @@ def _cluster_map(axes, topology: Topology, plan: Plan) -> None:
     axes.legend(handles=handles, loc="upper left", bbox_to_anchor=(0, 0), fontsize=7, ncols=min(len(handles), 8))
     axes.set_title(
         f"Holmes layout: GPU squares coloured by stage, node outline by NIC (inter-cluster TCP "
-        f"{topology.spec.inter_cluster.gbps:g} Gb/s)",
+        f"{_inter_cluster(topology)})",
         fontsize=9,
     )
+
+
+def _inter_cluster(topology: Topology) -> str:
+    """`100 Gb/s`, or `10 Gb/s; A<->B 100, B<->C 25` where pairs of clusters have their own speed."""
+    inter = topology.spec.inter_cluster
+    pairs = "".join(f", {'<->'.join(sorted(pair.clusters))} {pair.gbps:g}" for pair in inter.pairs)
+    return f"{inter.gbps:g} Gb/s" + (f"; pairs{pairs}" if pairs else "")
 
 
 def _throughput(axes, plans: dict[str, Plan]) -> None:

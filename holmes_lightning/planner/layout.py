@@ -6,10 +6,9 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from holmes_lightning.topology import Link, NICGroup, NICKind, Topology
+from holmes_lightning.topology import Link, LinkKind, NICGroup, NICKind, Topology
 
-MAX_ORDERED_GROUPS = 8  # beyond this many NIC groups, stages follow config order instead of a search
-MAX_TIED_ORDERS = 24  # group orders with equally fast boundaries handed on to the cost model (config order first)
+MAX_GROUP_ORDERS = 720  # distinct NIC group orders searched; beyond, only those with the fastest stage boundaries
 
 
 @dataclass(frozen=True)
@@ -44,15 +43,52 @@ def dp_degrees(topology: Topology) -> list[int]:
     return [d for d in range(1, common + 1) if common % d == 0]
 
 
-def holmes_layouts(topology: Topology, dp: int) -> list[Layout]:
-    """NIC groups cut into stages of `dp` ranks, in every group order whose stage boundaries are the fastest."""
+def group_orders(topology: Topology) -> list[tuple[NICGroup, ...]]:
+    """Every order of the NIC groups, once per arrangement of interchangeable groups (config order first).
+
+    Two groups are interchangeable when they have the same size, devices per node, device speed and NIC speed, and
+    the same link to every other group: swapping them changes no cost. Beyond `MAX_GROUP_ORDERS` distinct orders,
+    only those whose stage boundaries are the fastest are kept.
+    """
     groups = topology.nic_groups()
-    orders = itertools.permutations(groups) if len(groups) <= MAX_ORDERED_GROUPS else [groups]
-    layouts = [Layout("holmes", tuple(s for group in order for s in _slices(group, dp))) for order in orders]
-    scores = [_boundary_seconds_per_byte(topology, layout) for layout in layouts]
-    best = min(scores)
-    tied = [layout for layout, score in zip(layouts, scores, strict=True) if score <= best * (1 + 1e-9)]
-    return tied[:MAX_TIED_ORDERS]
+    classes = _interchangeable(topology, groups)
+    members = {label: [g for g, c in zip(groups, classes, strict=True) if c == label] for label in classes}
+    orders = []
+    for shape in _distinct_permutations(classes):
+        taken = dict.fromkeys(members, 0)
+        order = []
+        for label in shape:
+            order.append(members[label][taken[label]])
+            taken[label] += 1
+        orders.append(tuple(order))
+        if len(orders) > MAX_GROUP_ORDERS:
+            return _fastest_boundaries(topology, groups)
+    return orders
+
+
+def _distinct_permutations(labels: list[int]) -> list[tuple[int, ...]]:
+    """Each distinct ordering of `labels` once, the given order first; stops after `MAX_GROUP_ORDERS` + 1."""
+    current = sorted(labels)
+    result = [tuple(labels)]
+    while len(result) <= MAX_GROUP_ORDERS:  # lexicographic successors of the sorted labels
+        if tuple(current) != result[0]:
+            result.append(tuple(current))
+        i = len(current) - 2
+        while i >= 0 and current[i] >= current[i + 1]:
+            i -= 1
+        if i < 0:
+            break
+        j = len(current) - 1
+        while current[j] <= current[i]:
+            j -= 1
+        current[i], current[j] = current[j], current[i]
+        current[i + 1 :] = reversed(current[i + 1 :])
+    return result
+
+
+def holmes_layout(order: tuple[NICGroup, ...], dp: int) -> Layout:
+    """NIC groups in this order, each cut into stages of `dp` consecutive ranks."""
+    return Layout("holmes", tuple(stage for group in order for stage in _slices(group, dp)))
 
 
 def megatron_layout(topology: Topology, pp: int, dp: int) -> Layout:
@@ -70,6 +106,33 @@ def flat_layout(topology: Topology) -> Layout:
     """One sharding group over every rank, no pipeline."""
     stage = _group_of(topology, tuple(range(topology.world_size)))
     return Layout("flat_fsdp", (stage,), rdma=not mixes_rdma_kinds(topology))
+
+
+@dataclass(frozen=True)
+class StageHardware:
+    """What costs need of a layout's stages: the slowest device's TFLOPS, the DP group's link, the link to the next."""
+
+    tflops: tuple[float, ...]
+    dp_links: tuple[Link, ...]
+    send_links: tuple[Link, ...]
+
+    @classmethod
+    def of(cls, topology: Topology, layout: Layout) -> StageHardware:
+        stages = layout.stages
+        following = stages[1:] + stages[:1]  # the last stage sends to the first (interleaved schedules)
+        return cls(
+            tflops=tuple(min(topology.device_tflops(r) for r in stage.ranks) for stage in stages),
+            dp_links=tuple(topology.slowest_link(stage.ranks, layout.rdma) for stage in stages),
+            send_links=tuple(
+                boundary_link(topology, a, b, layout.rdma) for a, b in zip(stages, following, strict=True)
+            ),
+        )
+
+
+def pipeline_links(topology: Topology, layout: Layout) -> tuple[LinkKind, ...]:
+    """Per DP index d, the slowest link of the pipeline group of the ranks with that index (one per stage)."""
+    columns = [tuple(stage.ranks[d] for stage in layout.stages) for d in range(layout.dp)]
+    return tuple(topology.slowest_link(column, rdma=layout.rdma).kind for column in columns)
 
 
 def mixes_rdma_kinds(topology: Topology) -> bool:
@@ -94,6 +157,39 @@ def _group_of(topology: Topology, ranks: tuple[int, ...]) -> StageGroup:
     return StageGroup(ranks, tuple(clusters), tuple(nics))
 
 
-def _boundary_seconds_per_byte(topology: Topology, layout: Layout) -> float:
-    stages = layout.stages
-    return sum(1 / boundary_link(topology, a, b).bytes_per_s for a, b in itertools.pairwise(stages))
+def _interchangeable(topology: Topology, groups: tuple[NICGroup, ...]) -> list[int]:
+    """A class index per group; groups of one class have equal costs everywhere (see `group_orders`)."""
+
+    def shape(group: NICGroup) -> tuple:
+        nodes = {topology.ranks[r].node for r in group.ranks}
+        per_node = sorted(len(topology.nodes[n].ranks) for n in nodes)
+        return len(group.ranks), tuple(per_node), topology.device_tflops(group.ranks[0]), group.gbps
+
+    def links(group: NICGroup) -> list[float]:
+        return [topology.cluster_link(group.cluster, other.cluster).gbps for other in groups]
+
+    classes: list[int] = []
+    for i, group in enumerate(groups):
+        same = next(
+            (
+                classes[j]
+                for j in range(i)
+                if shape(groups[j]) == shape(group)
+                and all(links(groups[j])[k] == links(group)[k] for k in range(len(groups)) if k not in (i, j))
+            ),
+            None,
+        )
+        classes.append(len(set(classes)) if same is None else same)
+    return classes
+
+
+def _fastest_boundaries(topology: Topology, groups: tuple[NICGroup, ...]) -> list[tuple[NICGroup, ...]]:
+    """Group orders whose boundaries between groups take the least time per byte (config order first), at most 24."""
+
+    def seconds_per_byte(order: tuple[NICGroup, ...]) -> float:
+        return sum(1 / topology.cluster_link(a.cluster, b.cluster).bytes_per_s for a, b in itertools.pairwise(order))
+
+    orders = list(itertools.islice(itertools.permutations(groups), 40320))
+    scores = [seconds_per_byte(order) for order in orders]
+    best = min(scores)
+    return [order for order, score in zip(orders, scores, strict=True) if score <= best * (1 + 1e-9)][:24]

@@ -1,74 +1,103 @@
-"""Layers per stage: exact dynamic programming over contiguous splits, or a uniform split.
+"""Layers per (virtual) stage: branch and bound over every contiguous split, ranked by the simulated step.
 
-The DP minimises the schedule's closed form (see `objective`) over every split of the layer list into `pp`
-contiguous stages. That objective is not additive (it mixes a sum and two maxima), so each DP cell keeps the Pareto
-front of (slowest stage, largest exposed sync, sum) over its prefixes, which keeps the search exact.
+Virtual stages are assigned layers front to back. A partial split's lower bound is the largest of:
+
+- per assigned virtual stage, its path (`bounds.one_chunk_path_s` over its chunk's actions; with several chunks per
+  stage the other chunks' actions are left out, which only shortens it): the climb above it bounded by the least
+  round trip through the layers left, cycles down to the virtual stages just below, then the way down;
+- per stage whose chunks are all assigned, its path with the hops between its chunks (`bounds.stage_path_s`);
+- every action of a stage after its first forward; with several chunks per stage, the layers left shared out over
+  the stages that still get some (`bounds.water_level_s`);
+- the suffix tables' bound for the layers left (`bounds.SuffixBounds`).
+
+A branch whose bound cannot beat `bar` is cut; every split that survives to the end is simulated
+(`Candidate.step_s`). So the split returned has the least simulated step, or none if no split gets below `bar`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
+
+from holmes_lightning.planner.bounds import ROUNDING, SuffixBounds, one_chunk_path_s, stage_path_s, water_level_s
+from holmes_lightning.planner.candidate import Candidate
+from holmes_lightning.planner.plan_types import locate_virtual
+
+REBUILD = 0.98  # rebuild the suffix tables for a search once the bar fell below this share of theirs
+DESCENTS = 3  # cycles down to this many virtual stages below one count in its path bound
 
 
-@dataclass(frozen=True)
-class StageCost:
-    """One stage's seconds for one candidate layer range."""
+@dataclass
+class PartitionStats:
+    """What one or more partition searches did."""
 
-    compute_s: float  # forward + backward of one micro-batch
-    send_s: float  # its output to the next stage, one direction, one micro-batch (0 for the last stage)
-    exposed_sync_s: float  # DP sync per step that backward does not hide
-
-
-StageCostFn = Callable[[int, int, int], "StageCost | None"]  # (stage, first layer, stop layer); None: does not fit
+    nodes: int = 0
+    cut: int = 0
+    simulated: int = 0
+    too_big: int = 0
 
 
-def objective(costs: Sequence[StageCost], microbatches: int, chunks: int = 1) -> float:
-    """Predicted step seconds in closed form: (m - 1) x slowest stage + fill/drain + transfers + largest sync.
+@dataclass
+class _Path:
+    """The split so far, per virtual stage: seconds, stop, and sums over the virtual stages before it."""
 
-    For GPipe and 1F1B with equal stages this is (m + p - 1) x stage time; with `chunks` virtual stages per device
-    (interleaved) the fill/drain shrinks to sum / chunks.
+    forward: list[float] = field(default_factory=list)
+    backward: list[float] = field(default_factory=list)
+    send: list[float] = field(default_factory=list)
+    stops: list[int] = field(default_factory=list)
+    drains: list[float] = field(default_factory=list)  # from its last backward to the step's end, at least
+    head: list[float] = field(default_factory=lambda: [0.0])  # head[v]: forwards and sends before virtual stage v
+    trip: list[float] = field(default_factory=lambda: [0.0])  # trip[v]: work and both sends of virtual stages < v
+    down: list[float] = field(default_factory=lambda: [0.0])  # down[v]: backwards and sends of virtual stages < v
+    tails: dict[int, float] = field(default_factory=dict)  # per complete stage: its exposed sync and optimizer step
+
+    def start(self, v: int) -> int:
+        return self.stops[v - 1] if v > 0 else 0
+
+
+@dataclass
+class _Child:
+    """Virtual stage `v` holding layers [start, stop) after a partial split: its seconds and a cheap bound.
+
+    `tail` is set when it completes its stage; `drain` bounds the way from its last backward to the step's end.
     """
-    slowest = max(c.compute_s for c in costs)
-    fill = sum(c.compute_s for c in costs) / chunks
-    transfers = 2 * sum(c.send_s for c in costs)
-    return (microbatches - 1) * slowest + fill + transfers + max(c.exposed_sync_s for c in costs)
 
+    v: int
+    stage: int
+    start: int
+    stop: int
+    forward: float
+    backward: float
+    send: float
+    tail: float | None
+    drain: float
+    bound: float
 
-def best_partition(
-    cost: StageCostFn, num_layers: int, pp: int, microbatches: int, chunks: int = 1, min_layers: int = 1
-) -> tuple[int, ...] | None:
-    """Layers per stage minimising `objective`, each stage at least `min_layers`; None if no split fits."""
-    # front[j]: non-dominated (slowest, sync, sum, start, parent) over splits of layers [0, j) into s + 1 stages
-    front: dict[int, list[tuple]] = {0: [(0.0, 0.0, 0.0, 0, None)]}
-    for stage in range(pp):
-        later = min_layers * (pp - stage - 1)
-        new_front: dict[int, list[tuple]] = {}
-        for stop in range(min_layers * (stage + 1), num_layers - later + 1):
-            entries = []
-            for start, prefixes in front.items():
-                if stop - start < min_layers:
-                    continue
-                c = cost(stage, start, stop)
-                if c is None:
-                    continue
-                added = c.compute_s / chunks + 2 * c.send_s
-                for entry in prefixes:
-                    slowest, sync, total = max(entry[0], c.compute_s), max(entry[1], c.exposed_sync_s), entry[2] + added
-                    entries.append((slowest, sync, total, start, entry))
-            if entries:
-                new_front[stop] = _pareto(entries)
-        front = new_front
-    finals = front.get(num_layers)
-    if not finals:
-        return None
-    best = min(finals, key=lambda e: (microbatches - 1) * e[0] + e[1] + e[2])
-    stops = [num_layers]
-    while best[4] is not None and best[4][4] is not None:
-        stops.append(best[3])
-        best = best[4]
-    bounds = [0, *reversed(stops)]
-    return tuple(b - a for a, b in zip(bounds, bounds[1:], strict=False))
+    def push(self, path: _Path) -> None:
+        path.forward.append(self.forward)
+        path.backward.append(self.backward)
+        path.send.append(self.send)
+        path.stops.append(self.stop)
+        path.drains.append(self.drain)
+        path.head.append(path.head[-1] + self.forward + self.send)
+        path.trip.append(path.trip[-1] + self.forward + self.backward + 2 * self.send)
+        path.down.append(path.down[-1] + self.backward + self.send)
+        if self.tail is not None:
+            path.tails[self.stage] = self.tail
+
+    @staticmethod
+    def pop(path: _Path) -> None:
+        for values in (
+            path.forward,
+            path.backward,
+            path.send,
+            path.stops,
+            path.drains,
+            path.head,
+            path.trip,
+            path.down,
+        ):
+            values.pop()
 
 
 def uniform_partition(num_layers: int, parts: int) -> tuple[int, ...]:
@@ -77,10 +106,158 @@ def uniform_partition(num_layers: int, parts: int) -> tuple[int, ...]:
     return tuple(base + (1 if i < extra else 0) for i in range(parts))
 
 
-def _pareto(entries: list[tuple]) -> list[tuple]:
-    """Entries no other entry beats on all of (slowest, sync, sum)."""
-    kept: list[tuple] = []
-    for entry in sorted(entries, key=lambda e: e[:3]):
-        if not any(k[0] <= entry[0] and k[1] <= entry[1] and k[2] <= entry[2] for k in kept):
-            kept.append(entry)
-    return kept
+def split_chunks(per_stage: tuple[int, ...] | list[int], chunks: int) -> tuple[int, ...]:
+    """Each stage's layer count split into `chunks` near-equal chunks, listed in virtual-stage order."""
+    pieces = [uniform_partition(count, chunks) for count in per_stage]
+    return tuple(pieces[s][j] for j in range(chunks) for s in range(len(per_stage)))
+
+
+def suffix_bounds(candidate: Candidate, bar: float = math.inf) -> SuffixBounds:
+    """The candidate's suffix tables over splits that could get below `bar`."""
+    return SuffixBounds.build(
+        candidate.range_cost,
+        virtual=candidate.virtual,
+        layers=candidate.num_layers,
+        microbatches=candidate.microbatches,
+        walks=candidate.shapes.walks,
+        bar=bar,
+    )
+
+
+def search_partition(
+    candidate: Candidate, bar: float, stats: PartitionStats, tables: SuffixBounds | None = None
+) -> tuple[tuple[int, ...], float] | None:
+    """The split with the least simulated step below `bar`, and that step (None: no split gets below `bar`)."""
+    if tables is None or bar < tables.bar * REBUILD:
+        tables = suffix_bounds(candidate, bar)
+    search = _Search(candidate, tables, stats, bar)
+    search.extend(_Path(), 0, 0.0)
+    return search.best
+
+
+class _Search:
+    def __init__(self, candidate: Candidate, tables: SuffixBounds, stats: PartitionStats, bar: float):
+        self.candidate, self.tables, self.stats, self.bar = candidate, tables, stats, bar
+        self.best: tuple[tuple[int, ...], float] | None = None
+        self.pp, self.chunks, self.virtual = candidate.layout.pp, candidate.chunks, candidate.virtual
+        self.m, self.layers = candidate.microbatches, candidate.num_layers
+
+    def extend(self, path: _Path, v: int, bound: float) -> None:
+        """Try every layer range for virtual stage `v`, cheapest bound first; the path bounds (the costly ones) are
+        added when a child is about to be expanded."""
+        self.stats.nodes += 1
+        if v == self.virtual:
+            self._finish(path)
+            return
+        start, later = path.start(v), self.virtual - 1 - v
+        stops = range(self.layers, self.layers + 1) if later == 0 else range(start + 1, self.layers - later + 1)
+        children = []
+        for stop in stops:
+            child = self._child(path, v, start, stop, bound)
+            if child is None:
+                self.stats.too_big += 1
+            else:
+                children.append(child)
+        children.sort(key=lambda child: child.bound)
+        for tried, child in enumerate(children):
+            if child.bound * (1 - ROUNDING) >= self.bar:
+                self.stats.cut += len(children) - tried
+                return
+            full = max(child.bound, self._virtual_path_s(path, child))
+            if child.tail is not None and self.chunks > 1:
+                full = max(full, self._stage_path_s(path, child))
+            if full * (1 - ROUNDING) >= self.bar:
+                self.stats.cut += 1
+                continue
+            child.push(path)
+            self.extend(path, v + 1, full)
+            _Child.pop(path)
+
+    def _child(self, path: _Path, v: int, start: int, stop: int, bound: float) -> _Child | None:
+        """Virtual stage v holding layers [start, stop) (None: its stage goes over the memory limit)."""
+        c, pp, chunks, m = self.candidate, self.pp, self.chunks, self.m
+        stage, chunk = locate_virtual(v, pp)
+        forward, backward = c.forward_s(stage, start, stop), c.backward_s(stage, start, stop)
+        send = c.send_s(v, stop)
+        earlier = range(stage, v, pp)
+        ranges = [(path.start(u), path.stops[u]) for u in earlier] + [(start, stop)]
+        params = sum(c.param_bytes(a, b) for a, b in ranges)
+        stash = [c.stash_bytes(a, b) for a, b in ranges] + [0.0] * (chunks - len(ranges))
+        if not c.fits(stage, params, stash):
+            return None
+        work = sum(path.forward[u] + path.backward[u] for u in earlier) + forward + backward
+        tail, ends = None, 0.0
+        if chunk == chunks - 1:  # the stage is complete: its tail follows its last action, chunk 0's last backward
+            tail = c.tail_s(stage, params, sum(path.backward[u] for u in earlier) + backward)
+            ends = path.down[v] - path.down[stage] + tail
+        drain = ends if v == 0 else max(ends, path.drains[v - 1] + path.send[v - 1] + path.backward[v - 1])
+        bound = max(bound, path.head[stage] + m * work + (tail or 0.0))  # all its actions follow its first one
+        if v < self.virtual - 1:
+            next_head = path.head[v] + forward + send
+            bound = max(
+                bound,
+                next_head + self.tables.reach[v + 1][stop],
+                next_head + drain + send + backward + self.tables.relay[v + 1][stop],
+            )
+            if chunks > 1:
+                bound = max(bound, self._load_s(path, v, stage, work, next_head, stop))
+        return _Child(v, stage, start, stop, forward, backward, send, tail, drain, bound)
+
+    def _load_s(self, path: _Path, v: int, stage: int, work: float, next_head: float, stop: int) -> float:
+        """Several chunks per stage: the stages with chunks left share the layers left, each after its own first
+        forward and the work it has (`water_level_s`)."""
+        c, pp, m = self.candidate, self.pp, self.m
+        bases, rates = [], []
+        for s in range(pp):
+            if s + (self.chunks - 1) * pp <= v:  # complete: its whole path is in the bound already
+                continue
+            known = work if s == stage else sum(path.forward[u] + path.backward[u] for u in range(s, v, pp))
+            bases.append((path.head[s] if s <= v else next_head) + m * known)
+            rates.append(m * c.slowdown[s])
+        return water_level_s(bases, rates, c.base_work_s(stop, self.layers))
+
+    def _virtual_path_s(self, path: _Path, child: _Child) -> float:
+        """`one_chunk_path_s` of `child`'s chunk, the climb above bounded by the least round trip left.
+
+        Without cycles down, the path less its head and drain depends only on the child's range (the tables hold it).
+        """
+        v, shapes, paths = child.v, self.candidate.shapes, self.tables.paths
+        walk = shapes.walks[v]
+        excursion = None if v == self.virtual - 1 else 2 * child.send + self.tables.chain[v + 1][child.stop]
+        if v == 0:
+            key = (v, child.start, child.stop)
+            if key not in paths:
+                paths[key] = walk.path_s(child.forward, child.backward, excursion)
+            return paths[key] + child.drain
+        descents = [(shapes.descents[u], path.trip[v] - path.trip[u]) for u in range(max(0, v - DESCENTS), v)]
+        return path.head[v] + one_chunk_path_s(walk, child.forward, child.backward, excursion, descents) + child.drain
+
+    def _stage_path_s(self, path: _Path, child: _Child) -> float:
+        """`stage_path_s` of the stage `child` completes (several chunks), with the hops between its chunks."""
+        c, pp, v, stage = self.candidate, self.pp, child.v, child.stage
+        excursion = None if v == self.virtual - 1 else 2 * child.send + self.tables.chain[v + 1][child.stop]
+        own = list(range(stage, v, pp))
+        up, down = [], []
+        for u in own:  # hops from chunk u to chunk u + pp through the virtual stages between (all assigned)
+            sends = sum(path.send[w] for w in range(u, u + pp))
+            up.append(sends + sum(path.forward[w] for w in range(u + 1, u + pp)))
+            down.append(sends + sum(path.backward[w] for w in range(u + 1, u + pp)))
+        walk = stage_path_s(
+            order=c.orders[stage],
+            forward=[path.forward[u] for u in own] + [child.forward],
+            backward=[path.backward[u] for u in own] + [child.backward],
+            excursion=excursion,
+            turns=c.shapes.turns,
+            up=up,
+            down=down,
+        )
+        return path.head[stage] + walk + max(child.tail, path.drains[stage] if stage < v else 0.0)
+
+    def _finish(self, path: _Path) -> None:
+        counts = tuple(path.stops[u] - path.start(u) for u in range(self.virtual))
+        tails = [path.tails[s] for s in range(self.pp)]
+        step = self.candidate.replay.step_s(path.forward, path.backward, path.send, tails)
+        self.stats.simulated += 1
+        if step < self.bar:
+            self.best = (counts, step)
+            self.bar = step * (1 - 1e-9)

@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from holmes_lightning.planner.candidate import GB, Candidate
+from holmes_lightning.planner.candidate import GB, Candidate, RangeCosts
 from holmes_lightning.planner.cost import CostModel
-from holmes_lightning.planner.layout import Layout, dp_degrees, flat_layout, holmes_layouts, megatron_layout
-from holmes_lightning.planner.partition import StageCost, best_partition, uniform_partition
+from holmes_lightning.planner.layout import (
+    Layout,
+    StageHardware,
+    dp_degrees,
+    flat_layout,
+    group_orders,
+    holmes_layout,
+    megatron_layout,
+    pipeline_links,
+)
+from holmes_lightning.planner.partition import split_chunks, uniform_partition
 from holmes_lightning.planner.plan_types import Plan, Sharding, StagePlan
 from holmes_lightning.planner.profile import ModelProfile
 from holmes_lightning.planner.schedules import SCHEDULES, microbatch_problem
+from holmes_lightning.planner.search import SearchStats, search
 from holmes_lightning.topology import Topology
 
 LAYOUTS = ("holmes", "nic_unaware", "flat_fsdp")
@@ -69,16 +78,32 @@ class PlanOptions:
         return self.chunks_per_stage if self.schedule == "Interleaved1F1B" else 1
 
 
-def plan(topology: Topology, profile: ModelProfile, batch: BatchSettings, options: PlanOptions | None = None) -> Plan:
-    """The plan with the lowest predicted step time among those the options allow."""
+def plan(
+    topology: Topology,
+    profile: ModelProfile,
+    batch: BatchSettings,
+    options: PlanOptions | None = None,
+    stats: SearchStats | None = None,
+) -> Plan:
+    """The plan with the lowest simulated step among every one the options allow (`stats`: filled with the search).
+
+    Candidates are every layout (NIC group order and DP size), micro-batch count and sharding the options allow;
+    `search.search` finds the best split of each that could beat the best so far. Ties go to FSDP, then fewer DP
+    ranks, config order, fewer micro-batches.
+    """
     options = options or PlanOptions()
     _check_request(profile, batch, options)
-    best: Plan | None = None
+    stats = stats if stats is not None else SearchStats()
     problems: list[str] = []
     options = replace(options, sharding=Sharding(options.sharding))
+    limit = options.memory_limit_gb * GB if options.memory_limit_gb else None
+    layouts = _layouts(topology, options, profile, problems)
+    hardware = [StageHardware.of(topology, layout) for layout in layouts]
+    stats.layouts += len(layouts)
     shardings = (Sharding.fsdp, Sharding.none) if options.sharding is Sharding.auto else (options.sharding,)
-    for sharding in shardings:  # FSDP first: replicas win only when strictly faster
-        chosen = replace(options, sharding=sharding)
+    candidates = []
+    shared: dict[tuple, RangeCosts] = {}
+    for i, sharding in enumerate(shardings):  # FSDP first: replicas win only when strictly faster
         cost = CostModel(
             topology,
             profile,
@@ -90,22 +115,100 @@ def plan(topology: Topology, profile: ModelProfile, batch: BatchSettings, option
             layer_overhead_s=options.layer_overhead_s,
             optimizer_s_per_gb=options.optimizer_s_per_gb,
         )
-        for layout in _layouts(topology, options):
-            if layout.dp == 1 and sharding is Sharding.fsdp and options.sharding is Sharding.auto:
-                continue  # one rank per stage: nothing to shard, and FSDP's hooks would cost time for nothing
-            layout_cost = replace(cost, rdma=layout.rdma)
-            for microbatches in _microbatch_counts(layout, profile, batch, options, problems):
-                candidate = _plan_layout(layout, layout_cost, batch, microbatches, chosen, problems)
-                if candidate and (best is None or candidate.prediction.total_s < best.prediction.total_s * (1 - 1e-9)):
-                    best = candidate
+        for j, (layout, stage_hardware) in enumerate(zip(layouts, hardware, strict=True)):
+            if options.sharding is Sharding.auto and _dominated(sharding, layout, options):
+                continue
+            for k, microbatches in enumerate(_microbatch_counts(layout, profile, batch, options, problems)):
+                microbatch_size = batch.global_batch // layout.dp // microbatches
+                candidate = Candidate(
+                    layout=layout,
+                    hardware=stage_hardware,
+                    cost=replace(cost, rdma=layout.rdma),
+                    schedule=options.schedule,
+                    chunks=options.chunks,
+                    microbatches=microbatches,
+                    microbatch_size=microbatch_size,
+                    memory_limit=limit,
+                    range_costs=shared.setdefault((sharding, microbatch_size), RangeCosts()),
+                )
+                candidates.append(((i, j, k), candidate))
+
+    def infeasible(candidate: Candidate, counts: tuple[int, ...] | None) -> None:
+        problems.append(_memory_problem(candidate, counts, options))
+
+    best = search(candidates, lambda candidate: _fixed_counts(options, candidate), stats, infeasible)
     if best is None:
         reasons = "\n  ".join(dict.fromkeys(problems)) or "no layout fits"
         raise PlanError(f"no feasible plan for {topology.name!r} and {profile.name!r}:\n  {reasons}")
-    return best
+    return _as_plan(best.candidate, best.counts, options)
+
+
+def _dominated(sharding: Sharding, layout: Layout, options: PlanOptions) -> bool:
+    """A sharding the other one is never slower than on this layout, so `auto` need not try it.
+
+    One rank per stage: nothing to shard, equal costs, and FSDP's hooks would cost time for nothing: replicas. On
+    NCCL a reduce-scatter + all-gather moves what an all-reduce moves, and FSDP's optimizer step and memory are
+    smaller: FSDP.
+    """
+    if layout.dp == 1:
+        return sharding is Sharding.fsdp
+    return options.backend == "nccl" and sharding is Sharding.none
+
+
+def _memory_problem(candidate: Candidate, counts: tuple[int, ...] | None, options: PlanOptions) -> str:
+    """Why a candidate's split (None: every split) does not fit `strategy.memory_limit_gb`, and what to change."""
+    fix = "use more stages (strategy.pp) or micro-batches (strategy.microbatches), or a larger limit"
+    fix += ", or strategy.sharding=fsdp" if candidate.cost.sharding is not Sharding.fsdp else ""
+    if counts is None:
+        return (
+            f"no partition of {candidate.cost.profile.name!r} over pp={candidate.layout.pp} with "
+            f"{candidate.microbatches} micro-batches fits strategy.memory_limit_gb={options.memory_limit_gb} per "
+            f"device; {fix}"
+        )
+    worst = max(candidate.stage_plans(counts), key=lambda stage: stage.memory_gb)
+    return (
+        f"stage {worst.index} (ranks {list(worst.ranks)}) needs about {worst.memory_gb:.1f} GB per device, above "
+        f"strategy.memory_limit_gb={options.memory_limit_gb}; {fix}"
+    )
+
+
+def _fixed_counts(options: PlanOptions, candidate: Candidate) -> tuple[int, ...] | None:
+    """Layers per virtual stage of a uniform or explicit partition (None: `auto`, searched)."""
+    num_layers, pp, chunks = candidate.num_layers, candidate.layout.pp, candidate.chunks
+    if options.partition == "auto":
+        return None
+    if options.partition == "uniform":
+        return uniform_partition(num_layers, pp * chunks)
+    counts = tuple(options.partition)
+    return counts if len(counts) == pp * chunks else split_chunks(counts, chunks)
+
+
+def _as_plan(candidate: Candidate, counts: tuple[int, ...], options: PlanOptions) -> Plan:
+    stages = candidate.stage_plans(counts)
+    layout = candidate.layout
+    return Plan(
+        layout=layout.name,
+        schedule=options.schedule,
+        stages=tuple(stages),
+        microbatches=candidate.microbatches,
+        microbatch_size=candidate.microbatch_size,
+        prediction=candidate.predict(stages),
+        num_layers=candidate.num_layers,
+        notes=_notes(layout, stages),
+        partition=options.partition if isinstance(options.partition, str) else "explicit",
+        sharding=candidate.cost.sharding,
+        tokens_per_sample=candidate.cost.profile.tokens_per_sample,
+        rdma=layout.rdma,
+        pp_links=pipeline_links(candidate.cost.topology, layout),
+    )
 
 
 def compare(
-    topology: Topology, profile: ModelProfile, batch: BatchSettings, options: PlanOptions | None = None
+    topology: Topology,
+    profile: ModelProfile,
+    batch: BatchSettings,
+    options: PlanOptions | None = None,
+    stats: SearchStats | None = None,
 ) -> dict[str, Plan]:
     """Holmes' plan and the alternatives under the same cost model, keyed by name.
 
@@ -113,9 +216,10 @@ def compare(
     partition, at Holmes' degrees and micro-batches (and on TCP sockets when IB and RoCE share the job).
     "flat_fsdp": one sharding group over all ranks. "homogeneous": Holmes on the same machines with every link at
     the fastest NIC's speed, the limit. An infeasible alternative is left out and named in Holmes' notes.
+    `stats`: filled with what the search for Holmes' plan did.
     """
     options = options or PlanOptions()
-    holmes = plan(topology, profile, batch, options)
+    holmes = plan(topology, profile, batch, options, stats)
     same_shape = replace(options, pp=holmes.pp, dp=holmes.dp)
     fixed_batch = replace(batch, microbatches=holmes.microbatches)
     requests = {
@@ -175,9 +279,20 @@ def _check_request(profile: ModelProfile, batch: BatchSettings, options: PlanOpt
         )
 
 
-def _layouts(topology: Topology, options: PlanOptions) -> list[Layout]:
-    """Candidate layouts at the requested (or every valid) pipeline and DP degree."""
+def _layouts(topology: Topology, options: PlanOptions, profile: ModelProfile, problems: list[str]) -> list[Layout]:
+    """Candidate layouts at the requested (or every valid) pipeline and DP degree.
+
+    Degrees with more (virtual) stages than the model has layers are not built (a 4,096-stage layout costs time);
+    why goes to `problems`.
+    """
     world = topology.world_size
+
+    def deep_enough(dp: int) -> bool:
+        problem = _too_deep(world // dp, options.chunks, profile)
+        if problem:
+            problems.append(problem)
+        return problem is None
+
     if options.layout == "flat_fsdp":
         return [flat_layout(topology)]
     pp, dp = options.pp, options.dp
@@ -188,7 +303,7 @@ def _layouts(topology: Topology, options: PlanOptions) -> list[Layout]:
     wanted = dp if dp is not None else (world // pp if pp is not None else None)
     if options.layout == "nic_unaware":
         sizes = [wanted] if wanted else [d for d in range(1, world + 1) if world % d == 0]
-        return [megatron_layout(topology, world // d, d) for d in sizes]
+        return [megatron_layout(topology, world // d, d) for d in sizes if deep_enough(d)]
     valid = dp_degrees(topology)
     if wanted is not None and wanted not in valid:
         groups = ", ".join(f"{g.cluster}/{g.nic.value}: {len(g.ranks)}" for g in topology.nic_groups())
@@ -197,7 +312,18 @@ def _layouts(topology: Topology, options: PlanOptions) -> list[Layout]:
             f"{setting}: every stage must hold one NIC kind and the same DP size, but the NIC groups ({groups} ranks) "
             f"do not split into stages of {wanted}; use dp in {valid} (pp in {[world // d for d in valid]})"
         )
-    return [layout for d in ([wanted] if wanted else valid) for layout in holmes_layouts(topology, d)]
+    orders = group_orders(topology)
+    return [holmes_layout(order, d) for d in ([wanted] if wanted else valid) if deep_enough(d) for order in orders]
+
+
+def _too_deep(pp: int, chunks: int, profile: ModelProfile) -> str | None:
+    """Why `pp` stages of `chunks` chunks cannot each get a layer, or None."""
+    if pp * chunks <= profile.num_layers:
+        return None
+    return (
+        f"pp={pp} stages x {chunks} chunk(s) need {pp * chunks} layers but {profile.name!r} has "
+        f"{profile.num_layers}; use fewer stages (strategy.pp) or fewer chunks (strategy.chunks_per_stage)"
+    )
 
 
 def _partition_fits(options: PlanOptions, pp: int) -> bool:
@@ -209,12 +335,10 @@ def _microbatch_counts(
     layout: Layout, profile: ModelProfile, batch: BatchSettings, options: PlanOptions, problems: list[str]
 ) -> list[int]:
     """Micro-batch counts worth evaluating for this layout; reasons for rejecting it go to `problems`."""
-    pp, dp, chunks = layout.pp, layout.dp, options.chunks
-    if pp * chunks > profile.num_layers:
-        problems.append(
-            f"pp={pp} stages x {chunks} chunk(s) need {pp * chunks} layers but {profile.name!r} has "
-            f"{profile.num_layers}; use fewer stages (strategy.pp) or fewer chunks (strategy.chunks_per_stage)"
-        )
+    pp, dp = layout.pp, layout.dp
+    problem = _too_deep(pp, options.chunks, profile)
+    if problem:
+        problems.append(problem)
         return []
     if not _partition_fits(options, pp):
         problems.append(
@@ -247,77 +371,6 @@ def _microbatch_counts(
             f"or schedule GPipe"
         )
     return fitting
-
-
-def _plan_layout(
-    layout: Layout,
-    cost: CostModel,
-    batch: BatchSettings,
-    microbatches: int,
-    options: PlanOptions,
-    problems: list[str],
-) -> Plan | None:
-    """Partition, cost and simulate one layout at one micro-batch count (None, with a reason, if it does not fit)."""
-    profile = cost.profile
-    microbatch_size = batch.global_batch // layout.dp // microbatches
-    candidate = Candidate(layout, cost, options.schedule, options.chunks, microbatches, microbatch_size)
-    limit = options.memory_limit_gb * GB if options.memory_limit_gb else None
-    fix = "use more stages (strategy.pp) or micro-batches (strategy.microbatches), or a larger limit"
-    fix += ", or strategy.sharding=fsdp" if options.sharding is not Sharding.fsdp else ""
-    counts = _partition_counts(options, candidate, limit)
-    if counts is None:
-        problems.append(
-            f"no partition of {profile.name!r} over pp={layout.pp} with {microbatches} micro-batches fits "
-            f"strategy.memory_limit_gb={options.memory_limit_gb} per device; {fix}"
-        )
-        return None
-    stages = candidate.stage_plans(counts)
-    topology = cost.topology
-    columns = [tuple(stage.ranks[d] for stage in layout.stages) for d in range(layout.dp)]
-    worst = max(stages, key=lambda stage: stage.memory_gb)
-    if limit is not None and worst.memory_gb * GB > limit:
-        problems.append(
-            f"stage {worst.index} (ranks {list(worst.ranks)}) needs about {worst.memory_gb:.1f} GB per device, above "
-            f"strategy.memory_limit_gb={options.memory_limit_gb}; {fix}"
-        )
-        return None
-    return Plan(
-        layout=layout.name,
-        schedule=options.schedule,
-        stages=tuple(stages),
-        microbatches=microbatches,
-        microbatch_size=microbatch_size,
-        prediction=candidate.predict(stages),
-        num_layers=profile.num_layers,
-        notes=_notes(layout, stages),
-        partition=options.partition if isinstance(options.partition, str) else "explicit",
-        sharding=options.sharding,
-        tokens_per_sample=profile.tokens_per_sample,
-        rdma=layout.rdma,
-        pp_links=tuple(topology.slowest_link(column, rdma=layout.rdma).kind for column in columns),
-    )
-
-
-def _partition_counts(options: PlanOptions, candidate: Candidate, limit: float | None) -> tuple[int, ...] | None:
-    """Layers per virtual stage (pp x chunks counts; virtual stage k = stage k % pp, chunk k // pp)."""
-    num_layers, pp, chunks = candidate.cost.profile.num_layers, candidate.layout.pp, candidate.chunks
-    if options.partition == "uniform":
-        return uniform_partition(num_layers, pp * chunks)
-    if not isinstance(options.partition, str):
-        counts = tuple(options.partition)
-        return counts if len(counts) == pp * chunks else _split_chunks(counts, chunks)
-
-    def stage_cost(stage: int, start: int, stop: int) -> StageCost | None:
-        return candidate.stage_cost(stage, start, stop, limit)
-
-    per_stage = best_partition(stage_cost, num_layers, pp, candidate.microbatches, chunks, min_layers=chunks)
-    return None if per_stage is None else _split_chunks(per_stage, chunks)
-
-
-def _split_chunks(per_stage: Sequence[int], chunks: int) -> tuple[int, ...]:
-    """Each stage's layer count split into `chunks` near-equal chunks, listed in virtual-stage order."""
-    pieces = [uniform_partition(count, chunks) for count in per_stage]
-    return tuple(pieces[s][j] for j in range(chunks) for s in range(len(per_stage)))
 
 
 def _notes(layout: Layout, stages: list[StagePlan]) -> tuple[str, ...]:

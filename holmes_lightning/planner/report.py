@@ -16,8 +16,8 @@ def format_plan(plan: Plan, profile: ModelProfile) -> str:
     ]
     lines += [f"    stage {stage.index}: {_ranks(stage.ranks)}" for stage in plan.stages]
     header = (
-        f"  {'stage':<6}{'cluster/nic':<20}{'TFLOPS':>7}  {'layers':<34}{'DP group link':<20}"
-        f"{'to next':<16}{'fwd+bwd/mb':>11}{'sync':>9}{'exposed':>9}{'mem GB':>8}"
+        f"  {'stage':<6}{'cluster/nic':<20}{'TFLOPS':>7}  {'layers':<34}{'DP group link':<22}"
+        f"{'to next':<17}{'fwd+bwd/mb':>11}{'sync':>9}{'exposed':>9}{'mem GB':>8}"
     )
     lines += ["", header]
     for stage in plan.stages:
@@ -31,7 +31,7 @@ def format_plan(plan: Plan, profile: ModelProfile) -> str:
         compute = sum(stage.forward_s) + sum(stage.backward_s)
         lines.append(
             f"  {stage.index:<6}{fabric_label(stage):<20}{stage.device_tflops:>7g}  {layers:<34}"
-            f"{dp_link:<20}{send:<16}{_ms(compute):>11}{_ms(stage.sync_s):>9}{_ms(stage.exposed_sync_s):>9}"
+            f"{dp_link:<22}{send:<17}{_ms(compute):>11}{_ms(stage.sync_s):>9}{_ms(stage.exposed_sync_s):>9}"
             f"{stage.memory_gb:>8.1f}"
         )
     lines += [
@@ -45,21 +45,29 @@ def format_plan(plan: Plan, profile: ModelProfile) -> str:
 
 
 def format_comparison(plans: dict[str, Plan], reference: str = "holmes") -> str:
-    """One row per plan: degrees, layers per stage, predicted step, throughput, and how much faster `reference` is."""
+    """One row per plan: degrees, layers per stage, predicted step, throughput, and how much faster `reference` is.
+
+    Plans whose DP groups span clusters or NIC kinds are marked: they lie outside Holmes' layouts, so nothing keeps
+    them from being predicted faster (with small gradients and large activations, sharing a DP group across
+    clusters can cost less than a stage boundary between them).
+    """
     base = plans[reference]
     header = (
-        f"  {'plan':<13}{'pp x dp':<9}{'layers/stage':<22}{'mb':>5}{'step s':>10}{'tokens/s':>12}{'TFLOPS/GPU':>12}"
+        f"  {'plan':<14}{'pp x dp':<9}{'layers/stage':<22}{'mb':>5}{'step s':>10}{'tokens/s':>12}{'TFLOPS/GPU':>12}"
         f"{'compute':>9}{'sync':>8}{'p2p':>8}{'optim':>8}{'bubble':>8}  {reference} speedup"
     )
     lines = ["Predicted step, same cost model:", header]
     for name, plan in plans.items():
         p = plan.prediction
         layers = ",".join(map(str, plan.layers_per_stage()))
+        label = name + ("*" if any(stage.mixes_fabrics for stage in plan.stages) else "")
         lines.append(
-            f"  {name:<13}{f'{plan.pp}x{plan.dp}':<9}{layers[:21]:<22}{plan.microbatches:>5}{p.total_s:>10.4g}"
+            f"  {label:<14}{f'{plan.pp}x{plan.dp}':<9}{layers[:21]:<22}{plan.microbatches:>5}{p.total_s:>10.4g}"
             f"{p.tokens_per_s:>12,.0f}{p.tflops_per_device:>12.1f}{_ms(p.compute_s):>9}{_ms(p.dp_sync_s):>8}"
             f"{_ms(p.p2p_s):>8}{_ms(p.optimizer_s):>8}{_ms(p.bubble_s):>8}  {base.speedup_over(plan):.2f}x"
         )
+    if any(line.split()[0].endswith("*") for line in lines[2:]):
+        lines.append("  * DP groups span clusters or NIC kinds: not a Holmes layout (each DP group on one fabric)")
     return "\n".join(lines)
 
 

@@ -1,10 +1,21 @@
 """What the hardware is: clusters, nodes, NIC kinds and link speeds."""
 
 from holmes_lightning.topology.detect import detect_node_nic, detect_ports
-from holmes_lightning.topology.spec import ClusterGroupSpec, ClusterSpec, ConfigEnum, LinkSpec, NICKind, NICSpec
+from holmes_lightning.topology.spec import (
+    ClusterGroupSpec,
+    ClusterPairSpec,
+    ClusterSpec,
+    ConfigEnum,
+    InterClusterSpec,
+    LinkSpec,
+    NICKind,
+    NICSpec,
+)
 from holmes_lightning.topology.topology import (
     Link,
+    LinkClass,
     LinkKind,
+    LinkScope,
     NICGroup,
     Node,
     RankInfo,
@@ -17,10 +28,14 @@ from holmes_lightning.topology.topology import (
 
 __all__ = [
     "ClusterGroupSpec",
+    "ClusterPairSpec",
     "ClusterSpec",
     "ConfigEnum",
+    "InterClusterSpec",
     "Link",
+    "LinkClass",
     "LinkKind",
+    "LinkScope",
     "LinkSpec",
     "NICGroup",
     "NICKind",

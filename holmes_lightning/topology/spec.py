@@ -53,6 +53,31 @@ class LinkSpec:
 
 
 @dataclass
+class ClusterPairSpec:
+    """The link between two named clusters where it differs from `inter_cluster.gbps` (e.g. two sites)."""
+
+    clusters: list[str] = field(default_factory=list)
+    gbps: float = 100.0
+
+
+@dataclass
+class InterClusterSpec:
+    """The Ethernet/TCP links between clusters: `gbps` for every pair, `pairs` overriding it pair by pair.
+
+    `inter_cluster: {gbps: 10, pairs: [{clusters: [A, B], gbps: 100}, {clusters: [B, C], gbps: 25}]}`: A-B at
+    100 Gb/s, B-C at 25, every other pair (A-C) at 10. A communicator forced onto TCP inside one cluster uses `gbps`.
+    """
+
+    gbps: float = 100.0
+    pairs: list[ClusterPairSpec] = field(default_factory=list)
+
+    def scaled(self, factor: float) -> InterClusterSpec:
+        """Every speed times `factor`."""
+        pairs = [ClusterPairSpec(list(pair.clusters), pair.gbps * factor) for pair in self.pairs]
+        return InterClusterSpec(self.gbps * factor, pairs)
+
+
+@dataclass
 class ClusterGroupSpec:
     """One cluster: nodes of one NIC kind. `devices_per_node` / `device_tflops` default to the top-level values."""
 
@@ -73,5 +98,5 @@ class ClusterSpec:
     devices_per_node: int = 1
     device_tflops: float = 312.0
     intra_node: LinkSpec = field(default_factory=lambda: LinkSpec(gbps=2400.0))
-    inter_cluster: LinkSpec = field(default_factory=lambda: LinkSpec(gbps=100.0))
+    inter_cluster: InterClusterSpec = field(default_factory=InterClusterSpec)
     measured: str | None = None

@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from holmes_lightning.topology.spec import ClusterGroupSpec, ClusterSpec, LinkSpec, NICKind, NICSpec
+from holmes_lightning.topology.spec import ClusterGroupSpec, ClusterSpec, InterClusterSpec, NICKind, NICSpec
 
 NCCL_DEVICE = re.compile(r"[A-Za-z0-9_.@-]+(:\d+)?")  # an RDMA device[:port] or a network interface
 
@@ -30,6 +30,45 @@ class LinkKind(str, Enum):
     TCP = "tcp"
 
 
+class LinkScope(str, Enum):
+    """Which part of the configuration sets a link's speed."""
+
+    intra_node = "intra_node"  # NVLink/PCIe inside one node (`intra_node.gbps`)
+    fabric = "fabric"  # a cluster's own network between its nodes (`clusters[i].nic`)
+    inter_cluster = "inter_cluster"  # Ethernet between clusters, or any communicator forced onto TCP
+
+
+@dataclass(frozen=True)
+class LinkClass:
+    """The configured link two ranks use; `key` names it in `measured` files and in the probe's output.
+
+    `clusters`: the clusters at its ends, () inside a node, (A,) inside cluster A (its fabric, or TCP forced inside
+    it), (A, B) sorted between two clusters. `pair_listed`: that pair has its own entry in `inter_cluster.pairs`.
+    """
+
+    scope: LinkScope
+    kind: LinkKind
+    clusters: tuple[str, ...] = ()
+    pair_listed: bool = False
+
+    @property
+    def key(self) -> str:
+        """`intra_node`, `rdma:<cluster>`, `tcp:<cluster>` (a cluster without RDMA), `inter_cluster` or
+        `inter_cluster:<A><-><B>` (a pair with its own speed)."""
+        if self.scope is LinkScope.fabric:
+            return f"{self.kind.value}:{self.clusters[0]}"
+        if self.pair_listed:
+            return f"{self.scope.value}:{PAIR_SEPARATOR.join(self.clusters)}"
+        return self.scope.value
+
+    def __str__(self) -> str:
+        return self.key
+
+
+PAIR_SEPARATOR = "<->"
+TRANSPORT_ORDER = {LinkKind.TCP: 0, LinkKind.RDMA: 1, LinkKind.INTRA_NODE: 2}  # on equal speed, TCP is the bottleneck
+
+
 @dataclass(frozen=True)
 class Link:
     kind: LinkKind
@@ -38,6 +77,11 @@ class Link:
     @property
     def bytes_per_s(self) -> float:
         return self.gbps * 1e9 / 8
+
+    @property
+    def bottleneck_order(self) -> tuple[float, int]:
+        """Sort key of the slowest link: lowest speed, then TCP before RDMA (a group with any TCP hop runs on TCP)."""
+        return self.gbps, TRANSPORT_ORDER[self.kind]
 
 
 @dataclass(frozen=True)
@@ -141,6 +185,9 @@ class Topology:
                 ranks.extend(RankInfo(r, index, r - node_ranks[0], group.name, nic) for r in node_ranks)
         self.nodes: tuple[Node, ...] = tuple(nodes)
         self.ranks: tuple[RankInfo, ...] = tuple(ranks)
+        self._cluster_gbps = {group.name: group.nic.gbps for group in spec.clusters}
+        self._cluster_nic = {group.name: NICKind(group.nic.kind) for group in spec.clusters}
+        self._pair_gbps = {frozenset(pair.clusters): pair.gbps for pair in spec.inter_cluster.pairs}
 
     @classmethod
     def from_config(cls, source: str | Path | Mapping | DictConfig | ClusterSpec, **overrides: Any) -> Topology:
@@ -161,20 +208,12 @@ class Topology:
     def device_tflops(self, rank: int) -> float:
         return self.node_of(rank).device_tflops
 
-    def link_class(self, a: int, b: int, rdma: bool = True) -> str:
-        """The name of the link two ranks use, the key of `measured` and of the probe's output.
-
-        One of `intra_node`, `rdma:<cluster>`, `tcp:<cluster>` (a cluster without RDMA) or `inter_cluster`.
-        """
+    def link_class(self, a: int, b: int, rdma: bool = True) -> LinkClass:
+        """The configured link two ranks communicate over (`rdma=False`: a communicator forced onto TCP sockets)."""
         node_a, node_b = self.node_of(a), self.node_of(b)
         if node_a.index == node_b.index:
-            return "intra_node"
-        if node_a.cluster == node_b.cluster:  # one cluster has one NIC kind: its own fabric
-            if node_a.nic.is_rdma and rdma:
-                return f"rdma:{node_a.cluster}"
-            if not node_a.nic.is_rdma:
-                return f"tcp:{node_a.cluster}"
-        return "inter_cluster"
+            return LinkClass(LinkScope.intra_node, LinkKind.INTRA_NODE)
+        return self._between_nodes(node_a.cluster, node_b.cluster, rdma)
 
     def link(self, a: int, b: int, rdma: bool = True) -> Link:
         """The link two ranks communicate over, with its bandwidth (measured where a probe gave one).
@@ -182,22 +221,59 @@ class Topology:
         `rdma=False` is a communicator forced onto TCP sockets (NCCL's "Socket" net, as a NIC-unaware job must use
         when IB and RoCE nodes share a communicator): then only the Ethernet network carries the traffic.
         """
-        key = self.link_class(a, b, rdma)
-        fabric = min(self.node_of(a).nic_gbps, self.node_of(b).nic_gbps)
-        if key == "intra_node":
-            return Link(LinkKind.INTRA_NODE, self.measured.get(key, self.spec.intra_node.gbps))
-        if key == "inter_cluster":
-            return Link(LinkKind.TCP, self.measured.get(key, min(fabric, self.spec.inter_cluster.gbps)))
-        kind = LinkKind.RDMA if key.startswith("rdma:") else LinkKind.TCP
-        return Link(kind, self.measured.get(key, fabric))
+        return self.link_of(self.link_class(a, b, rdma))
+
+    def link_of(self, link_class: LinkClass) -> Link:
+        """A link class's speed: measured if a probe gave one, else configured (never above either end's NIC)."""
+        measured = self.measured.get(link_class.key)
+        if measured is None and link_class.scope is LinkScope.inter_cluster:
+            measured = self.measured.get(LinkScope.inter_cluster.value)  # probe files from before per-pair links
+        if measured is not None:
+            return Link(link_class.kind, measured)
+        if link_class.scope is LinkScope.intra_node:
+            return Link(link_class.kind, self.spec.intra_node.gbps)
+        if link_class.scope is LinkScope.fabric:
+            return Link(link_class.kind, self._cluster_gbps[link_class.clusters[0]])
+        configured = self._pair_gbps.get(frozenset(link_class.clusters), self.spec.inter_cluster.gbps)
+        return Link(link_class.kind, min(configured, *(self._cluster_gbps[c] for c in link_class.clusters)))
+
+    def cluster_link(self, a: str, b: str, rdma: bool = True) -> Link:
+        """The link between a node of cluster `a` and another node of cluster `b` (`a == b`: inside its fabric)."""
+        return self.link_of(self._between_nodes(a, b, rdma))
 
     def slowest_link(self, ranks: tuple[int, ...] | list[int], rdma: bool = True) -> Link:
-        """The bottleneck link of a collective over these ranks (a ring is as fast as its slowest hop)."""
-        ranks = list(ranks)
+        """The bottleneck link of a collective over these ranks (a ring is as fast as its slowest hop).
+
+        Computed per node and cluster present, not per pair of ranks; on equal speed a TCP hop wins.
+        """
         if len(ranks) < 2:
             return Link(LinkKind.INTRA_NODE, self.spec.intra_node.gbps)
-        pairs = (self.link(a, b, rdma) for i, a in enumerate(ranks) for b in ranks[i + 1 :])
-        return min(pairs, key=lambda link: link.gbps)
+        per_node: dict[int, int] = {}
+        for rank in ranks:
+            node = self.ranks[rank].node
+            per_node[node] = per_node.get(node, 0) + 1
+        per_cluster: dict[str, int] = {}
+        for node in per_node:
+            cluster = self.nodes[node].cluster
+            per_cluster[cluster] = per_cluster.get(cluster, 0) + 1
+        links = (
+            [self.link_of(LinkClass(LinkScope.intra_node, LinkKind.INTRA_NODE))] if max(per_node.values()) > 1 else []
+        )
+        clusters = list(per_cluster)
+        links += [self.cluster_link(c, c, rdma) for c in clusters if per_cluster[c] > 1]
+        links += [self.cluster_link(a, b, rdma) for i, a in enumerate(clusters) for b in clusters[i + 1 :]]
+        return min(links, key=lambda link: link.bottleneck_order)
+
+    def _between_nodes(self, a: str, b: str, rdma: bool) -> LinkClass:
+        """The class of a link between two different nodes, of clusters `a` and `b`."""
+        if a == b:  # one cluster has one NIC kind: its own fabric
+            if self._cluster_nic[a].is_rdma and rdma:
+                return LinkClass(LinkScope.fabric, LinkKind.RDMA, (a,))
+            if not self._cluster_nic[a].is_rdma:
+                return LinkClass(LinkScope.fabric, LinkKind.TCP, (a,))
+            return LinkClass(LinkScope.inter_cluster, LinkKind.TCP, (a,))
+        pair = (a, b) if a < b else (b, a)
+        return LinkClass(LinkScope.inter_cluster, LinkKind.TCP, pair, pair_listed=frozenset(pair) in self._pair_gbps)
 
     def nic_groups(self) -> tuple[NICGroup, ...]:
         """Ranks grouped by (cluster, NIC kind), in config order."""
@@ -223,7 +299,9 @@ class Topology:
         fastest = max(node.nic_gbps for node in self.nodes)
         best_kind = max(self.nodes, key=lambda node: (node.nic.is_rdma, node.nic_gbps)).nic
         groups = [replace(g, nic=replace(g.nic, kind=best_kind, gbps=fastest)) for g in self.spec.clusters]
-        spec = replace(self.spec, name=f"{self.name}_homogeneous", clusters=groups, inter_cluster=LinkSpec(fastest))
+        spec = replace(
+            self.spec, name=f"{self.name}_homogeneous", clusters=groups, inter_cluster=InterClusterSpec(fastest)
+        )
         return Topology(spec)
 
     def to_dict(self) -> dict:
@@ -251,18 +329,36 @@ class Topology:
         lines.append("  NIC groups (DP/sharding groups stay inside one):")
         for group in self.nic_groups():
             lines.append(f"    {group.cluster}/{group.nic.value}: ranks {list(group.ranks)} at {group.gbps:g} Gb/s")
-        lines.append("  links:")
-        for kind, gbps, example in self._link_classes():
-            lines.append(f"    {kind:<11} {gbps:>8g} Gb/s   e.g. ranks {example[0]}<->{example[1]}")
+        lines.append(f"  links:  {'class (key of measured files)':<30}{'between':<14}{'transport':<11}{'speed':>13}")
+        for link_class, example in self._link_classes():
+            link = self.link_of(link_class)
+            ends = "<->".join(link_class.clusters) if link_class.scope is LinkScope.inter_cluster else ""
+            lines.append(
+                f"          {link_class.key:<30}{ends:<14}{link.kind.value:<11}{link.gbps:>8g} Gb/s   "
+                f"e.g. ranks {example[0]}<->{example[1]}"
+            )
         return "\n".join(lines)
 
-    def _link_classes(self) -> list[tuple[str, float, tuple[int, int]]]:
-        seen: dict[tuple[str, float], tuple[int, int]] = {}
-        for a in range(self.world_size):
-            for b in range(a + 1, self.world_size):
-                link = self.link(a, b)
-                seen.setdefault((link.kind.value, link.gbps), (a, b))
-        return [(kind, gbps, pair) for (kind, gbps), pair in seen.items()]
+    def _link_classes(self) -> list[tuple[LinkClass, tuple[int, int]]]:
+        """Every link class that joins two ranks, with one pair of ranks on it (per node and cluster, not per pair)."""
+        first_node: dict[str, Node] = {}
+        second_node: dict[str, Node] = {}
+        for node in self.nodes:
+            (second_node if node.cluster in first_node else first_node).setdefault(node.cluster, node)
+        found: dict[LinkClass, tuple[int, int]] = {}
+        wide = next((node for node in self.nodes if len(node.ranks) > 1), None)
+        if wide is not None:
+            found[self.link_class(*wide.ranks[:2])] = (wide.ranks[0], wide.ranks[1])
+        for cluster, node in second_node.items():
+            found.setdefault(
+                self.link_class(first_node[cluster].ranks[0], node.ranks[0]),
+                (first_node[cluster].ranks[0], node.ranks[0]),
+            )
+        clusters = list(first_node.values())
+        for i, a in enumerate(clusters):
+            for b in clusters[i + 1 :]:
+                found.setdefault(self.link_class(a.ranks[0], b.ranks[0]), (a.ranks[0], b.ranks[0]))
+        return list(found.items())
 
 
 def _devices_per_node(spec: ClusterSpec, group: ClusterGroupSpec) -> int:
@@ -283,6 +379,7 @@ def _validate(spec: ClusterSpec) -> None:
     _positive(spec.intra_node.gbps, "cluster.intra_node.gbps", "set the NVLink/PCIe speed, e.g. 2400")
     _positive(spec.inter_cluster.gbps, "cluster.inter_cluster.gbps", "set the Ethernet speed between clusters")
     names = [c.name for c in spec.clusters]
+    _validate_pairs(spec.inter_cluster, names)
     for i, group in enumerate(spec.clusters):
         where = f"cluster.clusters[{i}]"
         if not group.name or group.name == "???":
@@ -320,6 +417,29 @@ def _check_nccl_settings(where: str, nic: NICSpec) -> None:
         )
     if nic.socket_ifname is not None and not NCCL_DEVICE.fullmatch(nic.socket_ifname):
         raise TopologyError(f"{where}.socket_ifname={nic.socket_ifname!r}: name one network interface, e.g. eth0")
+
+
+def _validate_pairs(inter_cluster: InterClusterSpec, names: list[str]) -> None:
+    """Each listed pair: two different known clusters, listed once, with a positive speed."""
+    seen: dict[frozenset[str], int] = {}
+    for i, pair in enumerate(inter_cluster.pairs):
+        where = f"cluster.inter_cluster.pairs[{i}]"
+        if len(pair.clusters) != 2 or pair.clusters[0] == pair.clusters[1]:
+            raise TopologyError(
+                f"{where}.clusters={list(pair.clusters)}: name two different clusters, e.g. "
+                f"{{clusters: [{', '.join(names[:2])}], gbps: 25}}"
+            )
+        unknown = [name for name in pair.clusters if name not in names]
+        if unknown:
+            raise TopologyError(f"{where}.clusters: {unknown} is not a cluster of this config; use names from {names}")
+        key = frozenset(pair.clusters)
+        if key in seen:
+            raise TopologyError(
+                f"{where}: the pair {sorted(key)} is already given by inter_cluster.pairs[{seen[key]}]; "
+                f"list each pair of clusters once"
+            )
+        seen[key] = i
+        _positive(pair.gbps, f"{where}.gbps", "set the link's speed between these two clusters")
 
 
 def _load_measured(path: str) -> dict[str, float]:

@@ -1,0 +1,156 @@
+"""`python -m holmes_lightning.bench.planning [OUT_DIR]`: how long planning takes, 64 to 4,096 GPUs (no processes).
+
+Plans GPT-7.5B (the paper's model) on clusters of 8-GPU nodes: two clusters (InfiniBand + RoCE), four alike
+clusters (2 IB + 2 RoCE: interchangeable, planned once), and four clusters that all differ (NIC speed and TFLOPS: every
+order of them is searched). Each size is planned `--repeats` times on one core; the table gives the fastest and the
+median, and what the search did. Writes `planning.json` and `planning.png` to OUT_DIR (default
+outputs/bench_planning).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from holmes_lightning.config import ModelConfig  # noqa: E402
+from holmes_lightning.planner import BatchSettings, ModelProfile, plan  # noqa: E402
+from holmes_lightning.planner.search import SearchStats  # noqa: E402
+from holmes_lightning.topology import Topology  # noqa: E402
+
+GPT_7_5B = ModelConfig(name="gpt_7_5b", n_layers=36, d_model=4096, n_heads=32, seq_len=2048, vocab_size=50304)
+GPU_COUNTS = (64, 128, 256, 512, 1024, 2048, 4096)
+SAMPLES_PER_GPU = 2  # global batch = 2 sequences of 2,048 tokens per GPU
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A family of clusters: per cluster its NIC kind, NIC Gb/s and device TFLOPS; GPUs split evenly."""
+
+    name: str
+    clusters: tuple[tuple[str, float, float], ...]
+
+    def topology(self, gpus: int) -> Topology:
+        nodes = gpus // 8 // len(self.clusters)
+        groups = [
+            {"name": f"C{i}", "nodes": nodes, "device_tflops": tflops, "nic": {"kind": kind, "gbps": gbps}}
+            for i, (kind, gbps, tflops) in enumerate(self.clusters)
+        ]
+        return Topology.from_config({"name": f"{self.name}_{gpus}", "devices_per_node": 8, "clusters": groups})
+
+
+SHAPES = (
+    Shape("2 clusters (IB + RoCE)", (("infiniband", 200, 312), ("roce", 200, 312))),
+    Shape("4 alike clusters", (("infiniband", 200, 312), ("roce", 200, 312)) * 2),
+    Shape(
+        "4 distinct clusters",
+        (("infiniband", 400, 312), ("infiniband", 200, 312), ("roce", 200, 156), ("roce", 100, 125)),
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Timing:
+    shape: str
+    gpus: int
+    fastest_s: float
+    median_s: float
+    pp: int
+    dp: int
+    microbatches: int
+    step_s: float
+    candidates: int
+    searched: int
+    simulated: int
+
+
+def time_planning(shape: Shape, gpus: int, repeats: int) -> Timing:
+    """Plan one size `repeats` times (each from scratch) and keep the times and what the search did."""
+    topology = shape.topology(gpus)
+    profile = ModelProfile.from_gpt(GPT_7_5B)
+    batch = BatchSettings(global_batch=SAMPLES_PER_GPU * gpus)
+    seconds = []
+    for _ in range(repeats):
+        stats = SearchStats()
+        start = time.perf_counter()
+        chosen = plan(topology, profile, batch, stats=stats)
+        seconds.append(time.perf_counter() - start)
+    return Timing(
+        shape=shape.name,
+        gpus=gpus,
+        fastest_s=min(seconds),
+        median_s=statistics.median(seconds),
+        pp=chosen.pp,
+        dp=chosen.dp,
+        microbatches=chosen.microbatches,
+        step_s=chosen.prediction.total_s,
+        candidates=stats.candidates,
+        searched=stats.searched,
+        simulated=stats.partitions.simulated,
+    )
+
+
+def table(timings: list[Timing]) -> str:
+    lines = [
+        "| clusters | GPUs | planning s (fastest) | median | plan pp x dp, micro-batches | predicted step s | "
+        "candidates | split searches | splits simulated |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for t in timings:
+        lines.append(
+            f"| {t.shape} | {t.gpus:,} | {t.fastest_s:.3f} | {t.median_s:.3f} | {t.pp} x {t.dp}, {t.microbatches} | "
+            f"{t.step_s:.3f} | {t.candidates} | {t.searched} | {t.simulated} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(timings: list[Timing], path: Path) -> None:
+    figure, axes = plt.subplots(figsize=(7, 4.2), layout="constrained")
+    for shape in SHAPES:
+        points = [t for t in timings if t.shape == shape.name]
+        axes.plot([t.gpus for t in points], [t.median_s for t in points], marker="o", label=shape.name)
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log")
+    axes.set_xticks(GPU_COUNTS, [f"{n:,}" for n in GPU_COUNTS])
+    axes.set_xlabel("GPUs (8 per node)")
+    axes.set_ylabel("planning time, s (median, one core)")
+    axes.set_title("Holmes planner: GPT-7.5B, best of every layout, split, micro-batch count, sharding", fontsize=9)
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> list[Timing]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", nargs="?", default="outputs/bench_planning", help="directory for JSON and PNG")
+    parser.add_argument("--repeats", type=int, default=3, help="plans per size (fastest and median are reported)")
+    parser.add_argument("--max-gpus", type=int, default=GPU_COUNTS[-1], help="largest size to plan")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats={args.repeats}: plan each size at least once")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    timings = []
+    for shape in SHAPES:
+        for gpus in (n for n in GPU_COUNTS if n <= args.max_gpus):
+            timings.append(time_planning(shape, gpus, args.repeats))
+            print(f"{shape.name:<24}{gpus:>6,} GPUs  {timings[-1].median_s:8.3f} s", flush=True)
+    print("\n" + table(timings))
+    (out / "planning.json").write_text(json.dumps([asdict(t) for t in timings], indent=2))
+    (out / "planning.md").write_text(table(timings) + "\n")
+    plot(timings, out / "planning.png")
+    print(f"\nwrote {out / 'planning.json'}, {out / 'planning.md'}, {out / 'planning.png'}")
+    return timings
+
+
+if __name__ == "__main__":
+    main()

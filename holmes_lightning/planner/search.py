@@ -1,0 +1,138 @@
+"""The search over candidates (layout x micro-batch count x sharding) and their splits, bounded by the best so far.
+
+1. Every candidate's uniform split (or the requested split) is simulated: a good first incumbent, cheaply.
+2. A one-pass bound, then the least bound over all splits (`SuffixBounds`), cuts candidates that cannot beat it.
+3. The rest, lowest bound first, are split by branch and bound (`partition.search_partition`).
+
+A candidate replaces the incumbent only if its step is lower, or equal with an earlier `preference` (FSDP before
+replicas, then the order candidates were listed in). Nothing that is cut could have replaced it, so the result is the
+best plan of all candidates under the cost model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from holmes_lightning.planner.bounds import water_level_s
+from holmes_lightning.planner.candidate import Candidate
+from holmes_lightning.planner.partition import (
+    ROUNDING,
+    PartitionStats,
+    search_partition,
+    suffix_bounds,
+    uniform_partition,
+)
+
+TIE = 1e-9  # relative: steps this close count as equal, and the earlier preference wins
+
+
+@dataclass
+class SearchStats:
+    """What the search did: candidates, how many a bound cut before splitting, and the split searches."""
+
+    layouts: int = 0
+    candidates: int = 0
+    seeded: int = 0
+    cut_quick: int = 0
+    cut_tables: int = 0
+    searched: int = 0
+    partitions: PartitionStats = field(default_factory=PartitionStats)
+
+    def summary(self) -> str:
+        p = self.partitions
+        return "\n".join(
+            [
+                f"search: {self.layouts} layouts (NIC group orders, interchangeable groups once, x DP sizes), "
+                f"{self.candidates} candidates (x micro-batch counts x shardings)",
+                f"  first incumbent: the uniform (or requested) split of {self.seeded} candidates simulated",
+                f"  cut before splitting: {self.cut_quick} by a one-pass bound (a micro-batch's round trip, the "
+                f"busiest stage's share), {self.cut_tables} by the least bound over all their splits",
+                f"  split searches: {self.searched}; partial splits visited {p.nodes}, branches cut by their bound "
+                f"{p.cut}, ranges over the memory limit {p.too_big}, whole splits simulated {p.simulated}",
+            ]
+        )
+
+
+@dataclass
+class Found:
+    """The best plan so far: its candidate, layers per virtual stage and simulated step."""
+
+    step_s: float
+    preference: tuple[int, ...]
+    candidate: Candidate
+    counts: tuple[int, ...]
+
+    def bar(self, preference: tuple[int, ...]) -> float:
+        """The step a candidate of this preference must get under to replace this plan."""
+        return self.step_s * (1 - TIE) if preference > self.preference else self.step_s * (1 + TIE)
+
+
+def search(
+    candidates: list[tuple[tuple[int, ...], Candidate]],
+    fixed: Callable[[Candidate], tuple[int, ...] | None],
+    stats: SearchStats,
+    infeasible: Callable[[Candidate, tuple[int, ...] | None], None],
+) -> Found | None:
+    """The best (candidate, split) of `candidates` (preference, candidate); `fixed`: the requested split, if any.
+
+    `infeasible(candidate, counts)` is told of every candidate whose split (None: every split) exceeds memory.
+    """
+    stats.candidates += len(candidates)
+    best: Found | None = None
+
+    def offer(preference: tuple[int, ...], candidate: Candidate, counts: tuple[int, ...], step: float) -> None:
+        nonlocal best
+        if step < (best.bar(preference) if best else math.inf):
+            best = Found(step, preference, candidate, counts)
+
+    for preference, candidate in candidates:
+        counts = fixed(candidate) or uniform_partition(candidate.num_layers, candidate.virtual)
+        step = candidate.step_s(counts)
+        stats.seeded += 1
+        if step is not None:
+            offer(preference, candidate, counts, step)
+        elif fixed(candidate) is not None:
+            infeasible(candidate, counts)
+    if any(fixed(candidate) is not None for _, candidate in candidates):
+        return best
+    survivors = []
+    for bound, preference, candidate in sorted((quick_bound(c), p, c) for p, c in candidates):
+        bar = best.bar(preference) if best else math.inf
+        if bound * (1 - ROUNDING) >= bar:
+            stats.cut_quick += 1
+            continue
+        tables = suffix_bounds(candidate, bar)
+        root = max(tables.root_s, bound)
+        if tables.root_s == math.inf and bar == math.inf:
+            infeasible(candidate, None)
+        if root * (1 - ROUNDING) >= bar:
+            stats.cut_tables += 1
+            continue
+        survivors.append((root, preference, candidate, tables))
+    for root, preference, candidate, tables in sorted(survivors, key=lambda entry: entry[:2]):
+        bar = best.bar(preference) if best else math.inf
+        if root * (1 - ROUNDING) >= bar:
+            stats.cut_tables += 1
+            continue
+        stats.searched += 1
+        found = search_partition(candidate, bar, stats.partitions, tables)
+        if found is not None:
+            offer(preference, candidate, *found)
+        elif bar == math.inf:
+            infeasible(candidate, None)
+    return best
+
+
+def quick_bound(candidate: Candidate) -> float:
+    """A lower bound on any split's step in one pass: one micro-batch's round trip, or the stages' work shared out.
+
+    Each layer takes at least its time on the layout's fastest stage, each boundary at least the smallest activation;
+    m micro-batches of the whole model's work spread over the stages as evenly as their speeds allow.
+    """
+    pp, layers, m = candidate.layout.pp, candidate.num_layers, candidate.microbatches
+    work = candidate.base_work_s(0, layers)
+    round_trip = work + 2 * sum(candidate.least_send_s(v) for v in range(candidate.virtual))
+    spread = water_level_s([0.0] * pp, [m * slowdown for slowdown in candidate.slowdown], work)
+    return max(round_trip, spread)

@@ -1,0 +1,132 @@
+"""The search's lower bounds: never above the simulated step, and the fast forms equal to the plain walks."""
+
+import itertools
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_planner_simulate import virtual_stages
+
+from holmes_lightning.planner import simulate
+from holmes_lightning.planner.bounds import (
+    OneChunkWalk,
+    PathShapes,
+    latest_turns,
+    one_chunk_path_s,
+    stage_path_s,
+    water_level_s,
+)
+from holmes_lightning.planner.schedules import SCHEDULES, microbatch_problem, stage_actions
+
+seconds = st.floats(0.0, 5.0, allow_nan=False)
+
+
+@st.composite
+def pipelines(draw):
+    """A schedule with random per-virtual-stage forward/backward/send seconds and per-stage tails."""
+    schedule = draw(st.sampled_from(SCHEDULES))
+    pp, m = draw(st.integers(1, 6)), draw(st.integers(1, 12))
+    chunks = draw(st.integers(2, 3)) if schedule == "Interleaved1F1B" else 1
+    if microbatch_problem(schedule, pp, m):
+        m = max(m, pp) if schedule == "1F1B" else pp
+    virtual = pp * chunks
+    forward = [draw(st.floats(0.01, 3.0)) for _ in range(virtual)]
+    backward = [f * draw(st.floats(0.5, 3.0)) for f in forward]
+    send = [draw(st.sampled_from([0.0, 0.05, 0.5, 2.0])) for _ in range(virtual - 1)] + [0.0]
+    tails = [draw(st.sampled_from([0.0, 0.3, 3.0])) for _ in range(pp)]
+    return schedule, pp, m, chunks, forward, backward, send, tails
+
+
+@settings(max_examples=150, deadline=None)
+@given(pipelines())
+def test_every_path_bound_stays_under_the_simulated_step(pipeline):
+    """Each stage's path (with hops and excursions) and each virtual stage's (with cycles down), with their heads
+    and drains, against the replay of the same step."""
+    schedule, pp, m, chunks, forward, backward, send, tails = pipeline
+    step = simulate(
+        virtual_stages(pp, forward=forward, backward=backward, sends=send, tails=tails), schedule, m
+    ).total_s
+    virtual = pp * chunks
+    shapes = PathShapes.of(schedule, pp, m, chunks)
+    orders = [stage_actions(schedule, s, pp, m, chunks) for s in range(pp)]
+    head = list(itertools.accumulate((f + c for f, c in zip(forward, send, strict=True)), initial=0.0))
+    trip = list(
+        itertools.accumulate((f + b + 2 * c for f, b, c in zip(forward, backward, send, strict=True)), initial=0.0)
+    )
+    down = list(itertools.accumulate((b + c for b, c in zip(backward, send, strict=True)), initial=0.0))
+    drains = []
+    for v in range(virtual):
+        stage, chunk = v % pp, v // pp
+        ends = down[v] - down[stage] + tails[stage] if chunk == chunks - 1 else 0.0
+        drains.append(ends if v == 0 else max(ends, drains[v - 1] + send[v - 1] + backward[v - 1]))
+    for v in range(virtual):
+        climb = None if v == virtual - 1 else 2 * send[v] + trip[virtual] - trip[v + 1]
+        cycles = [(shapes.descents[u], trip[v] - trip[u]) for u in range(v)]
+        path = one_chunk_path_s(shapes.walks[v], forward[v], backward[v], climb, cycles)
+        assert head[v] + path + drains[v] <= step * (1 + 1e-9)
+    for s in range(pp):
+        own = [s + j * pp for j in range(chunks)]
+        top = own[-1]
+        hops = [sum(send[w] for w in range(u, u + pp)) for u in own[:-1]]
+        path = stage_path_s(
+            order=orders[s],
+            forward=[forward[u] for u in own],
+            backward=[backward[u] for u in own],
+            excursion=None if top == virtual - 1 else 2 * send[top] + trip[virtual] - trip[top + 1],
+            turns=shapes.turns,
+            up=[h + sum(forward[w] for w in range(u + 1, u + pp)) for h, u in zip(hops, own, strict=False)],
+            down=[h + sum(backward[w] for w in range(u + 1, u + pp)) for h, u in zip(hops, own, strict=False)],
+        )
+        assert head[s] + path + max(tails[s], drains[s]) <= step * (1 + 1e-9)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    schedule=st.sampled_from(SCHEDULES),
+    pp=st.integers(1, 8),
+    m=st.integers(1, 24),
+    forward=st.floats(0.01, 2.0),
+    backward=st.floats(0.01, 4.0),
+    climb=st.one_of(st.none(), seconds, st.floats(0.0, 60.0)),
+    data=st.data(),
+)
+def test_the_closed_forms_of_a_one_chunk_path_equal_the_walk(schedule, pp, m, forward, backward, climb, data):
+    """1F1B's and GPipe's closed forms against the best set of excursions found by walking every backward, and both
+    against the action-by-action longest path."""
+    if microbatch_problem(schedule, pp, m):
+        return
+    orders = [stage_actions(schedule, s, pp, m, 1) for s in range(pp)]
+    stage = data.draw(st.integers(0, pp - 1))
+    walk = OneChunkWalk.of(orders[stage], latest_turns(orders[-1], 0, m))
+    if schedule != "Interleaved1F1B":
+        assert walk.form in ("1F1B", "first")
+    plain = OneChunkWalk(walk.steps, walk.turns, walk.skipped_forwards, walk.skipped_backwards, walk.previous)
+    expected = stage_path_s(
+        order=orders[stage],
+        forward=[forward],
+        backward=[backward],
+        excursion=climb,
+        turns=latest_turns(orders[-1], 0, m),
+        up=[],
+        down=[],
+    )
+    assert walk.path_s(forward, backward, climb) == pytest.approx(expected, rel=1e-12)
+    assert plain.path_s(forward, backward, climb) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_water_level_is_the_least_max_over_free_shares(seed):
+    rng = random.Random(seed)
+    count = rng.randint(1, 5)
+    bases = [rng.uniform(0, 3) for _ in range(count)]
+    rates = [rng.uniform(0.2, 3) for _ in range(count)]
+    work = rng.uniform(0, 4)
+    level = water_level_s(bases, rates, work)
+    shares = [max(0.0, (level - b) / r) for b, r in zip(bases, rates, strict=True)]
+    assert sum(shares) == pytest.approx(work) or level == pytest.approx(max(bases))
+    assert max(b + r * x for b, r, x in zip(bases, rates, shares, strict=True)) == pytest.approx(level)
+    for _ in range(50):  # no other split of the work does better
+        cuts = sorted(rng.uniform(0, work) for _ in range(count - 1))
+        other = [b - a for a, b in itertools.pairwise([0.0, *cuts, work])]
+        assert max(b + r * x for b, r, x in zip(bases, rates, other, strict=True)) >= level * (1 - 1e-12)
