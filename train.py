@@ -22,8 +22,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from holmes_lightning import job, validate
 from holmes_lightning.config import ConfigError, TrainConfig, error_line, register_configs
-from holmes_lightning.launch import LAUNCHED_ENV, start_ranks
+from holmes_lightning.launch import start_ranks
 from holmes_lightning.planner import PlanError
+from holmes_lightning.processes import LAUNCHED_ENV
 from holmes_lightning.recipes import GPT, ByteCorpusDataModule, RunSummary, throughput_monitor
 from holmes_lightning.runtime import HolmesStrategy
 from holmes_lightning.runtime.checkpoint import CheckpointError

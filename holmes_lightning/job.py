@@ -11,7 +11,7 @@ from datetime import datetime
 
 from omegaconf import OmegaConf
 
-from holmes_lightning.launch import LAUNCHED_ENV
+from holmes_lightning.processes import LAUNCHED_ENV
 
 SCALE_TIMEOUT_S = 1800.0  # torch's default: NCCL builds communicators at the first collective, slow on many nodes
 LOCAL_TIMEOUT_S = 120.0  # ranks our launcher starts on one machine (loopback, lab): a hang should end soon

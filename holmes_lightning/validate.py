@@ -11,10 +11,10 @@ from dataclasses import asdict, replace
 
 import torch
 
+import holmes_lightning.runtime.checkpoint as checkpoint
 from holmes_lightning import planner
 from holmes_lightning.config import TrainConfig
 from holmes_lightning.planner import BatchSettings, ModelProfile, Plan, PlanOptions
-from holmes_lightning.runtime import checkpoint
 from holmes_lightning.topology import Topology
 
 MODEL_SHAPE = ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size")

@@ -4,7 +4,8 @@ import sys
 import pytest
 from distributed import deadline, one_rank_fails_while_the_others_wait
 
-from holmes_lightning.launch import launch, main
+from holmes_lightning.launch import main
+from holmes_lightning.processes import launch
 from holmes_lightning.topology import Topology
 
 PRINT_RANK = "import os; print(os.environ['RANK'], os.environ['GROUP_RANK'], os.environ['LOCAL_RANK'], flush=True)"

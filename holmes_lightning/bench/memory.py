@@ -31,9 +31,9 @@ from holmes_lightning.bench.config import BenchSettings
 from holmes_lightning.bench.runner import worker_command, write_spec
 from holmes_lightning.bench.variants import Variant
 from holmes_lightning.config import ModelConfig
-from holmes_lightning.launch import launch
 from holmes_lightning.measure import profile_modules
 from holmes_lightning.planner import BatchSettings, ModelProfile, PlanOptions, Sharding, plan
+from holmes_lightning.processes import launch
 from holmes_lightning.topology import Topology
 
 matplotlib.use("Agg")

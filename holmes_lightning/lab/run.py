@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from holmes_lightning.lab.network import DEVICE, LabUnavailable, build_network, remove_namespaces, unavailable_reason
 from holmes_lightning.lab.plan import BANDWIDTH_SCALE_ENV, LabPlan, describe, format_scale, plan_lab
 from holmes_lightning.lab.scale import default_bandwidth_scale
-from holmes_lightning.launch import launch
+from holmes_lightning.processes import launch
 from holmes_lightning.runtime.environment import FABRIC_ADDRESS_ENV, NODE_ADDRESS_ENV
 from holmes_lightning.topology import Topology
 

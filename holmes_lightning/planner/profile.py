@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from holmes_lightning.config import ModelConfig
+
+class GPTShape(Protocol):
+    """The shape of a GPT (what `holmes_lightning.config.ModelConfig` holds)."""
+
+    name: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    seq_len: int
+    vocab_size: int
 
 
 @dataclass(frozen=True)
@@ -63,7 +71,7 @@ class ModelProfile:
         return sum(layer.param_bytes for layer in self.layers)
 
     @classmethod
-    def from_gpt(cls, model: ModelConfig, bytes_per_value: int = 2) -> ModelProfile:
+    def from_gpt(cls, model: GPTShape, bytes_per_value: int = 2) -> ModelProfile:
         """Analytic profile of a GPT shape: `[embedding, block x n_layers, head]` (pre-LN blocks, biases, 4x MLP).
 
         FLOPs count matrix multiplies (2 per multiply-add); attention scores over the full sequence; backward = 2x

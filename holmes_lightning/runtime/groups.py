@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+import holmes_lightning.runtime.nccl as nccl
 from holmes_lightning.planner import Plan
-from holmes_lightning.runtime import nccl
 from holmes_lightning.runtime.environment import NICGroupingEnvironment
 from holmes_lightning.topology import LinkKind
 

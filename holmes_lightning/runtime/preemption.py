@@ -26,8 +26,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+import holmes_lightning.runtime.checkpoint as checkpoint
 from holmes_lightning import job
-from holmes_lightning.runtime import checkpoint
 
 STOP_SIGNALS = (signal.SIGTERM,)
 

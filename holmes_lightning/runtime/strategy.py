@@ -40,13 +40,15 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 from typing_extensions import override
 
+import holmes_lightning.runtime.checkpoint as checkpoint
+import holmes_lightning.runtime.nccl as nccl
+import holmes_lightning.runtime.resume as resume
 from holmes_lightning import planner
-from holmes_lightning.launch import launched_topology
 from holmes_lightning.measure import cpu_rank_gflops, first_sample, profile_modules
 from holmes_lightning.planner import SCHEDULES, BatchSettings, LayerProfile, ModelProfile, Plan, PlanOptions, Sharding
 from holmes_lightning.planner.planner import LAYOUTS, SHARDINGS
 from holmes_lightning.planner.report import format_plan
-from holmes_lightning.runtime import checkpoint, nccl, resume
+from holmes_lightning.processes import launched_topology
 from holmes_lightning.runtime.environment import NICGroupingEnvironment
 from holmes_lightning.runtime.groups import PlanMesh, build_mesh
 from holmes_lightning.runtime.hooks import report_step, step_hook
