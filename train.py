@@ -105,6 +105,7 @@ def make_strategy(config: TrainConfig, topology: Topology, timeout_s: float) -> 
         global_batch=config.data.global_batch,
         microbatches=settings.microbatches,
         options=settings.plan_options(),
+        calibrate=settings.calibrate,
         timeout=timeout_s,
     )
 

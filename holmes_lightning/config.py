@@ -77,9 +77,11 @@ class DataConfig:
 
 @dataclass
 class StrategyConfig(PlanOptions):
-    """HolmesStrategy's settings: what to plan (`PlanOptions`), the micro-batch count and the collective timeout."""
+    """HolmesStrategy's settings: what to plan (`PlanOptions`), the micro-batch count, whether to calibrate the cost
+    model on this machine at start (`HolmesStrategy(calibrate=...)`) and the collective timeout."""
 
     microbatches: int | None = None
+    calibrate: bool = True
     timeout_s: float | None = None  # null: 120 s for ranks train.py starts on this machine, 30 min under torchrun/SLURM
 
     def __post_init__(self) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,3 +22,15 @@ def saved_figures(monkeypatch: pytest.MonkeyPatch) -> list[Figure]:
 
     monkeypatch.setattr(Figure, "savefig", save_and_keep)
     return figures
+
+
+@pytest.fixture(autouse=True, scope="session")
+def calibration_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """HolmesStrategy's calibrations go to this session's own folder (ranks inherit it), not the user's cache."""
+    before = os.environ.get("HOLMES_CALIBRATION_DIR")
+    os.environ["HOLMES_CALIBRATION_DIR"] = str(tmp_path_factory.mktemp("calibration"))
+    yield
+    if before is None:
+        os.environ.pop("HOLMES_CALIBRATION_DIR")
+    else:
+        os.environ["HOLMES_CALIBRATION_DIR"] = before

@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from holmes_lightning.bench.calibrate import Calibration, profile_gpt
+from holmes_lightning.bench.calibrate import Calibration, calibrate, profile_gpt
 from holmes_lightning.bench.config import VARIANTS, BenchSettings
 from holmes_lightning.bench.report import draw, markdown, regime, targets, write_json
 from holmes_lightning.bench.runner import summarize
@@ -62,13 +62,16 @@ def test_bad_settings_name_the_field():
         BenchSettings(variants=["holmes", "fsdp"])
 
 
-def test_calibration_splits_a_pass_into_per_sample_and_fixed_costs():
+@pytest.mark.slow
+def test_a_lab_rank_is_calibrated_on_the_benchmark_gpt(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOLMES_CALIBRATION_DIR", str(tmp_path))
     model = ModelConfig(n_layers=2, d_model=32, n_heads=2, seq_len=8)
     profile = profile_gpt(model)
-    topology = Topology.from_config("two_cluster_mixed")
-    calibration = Calibration.measure(topology, profile, model, repeats=2, scale=1e-3)
+    pair = Topology.from_config({"name": "pair", "clusters": [{"name": "a", "nodes": 2, "nic": {"kind": "roce"}}]})
+    calibration = calibrate(pair, profile, model, repeats=2, scale=1e-3)
     assert calibration.gflops > 0 and calibration.pass_overhead_s >= 0 and calibration.optimizer_s > 0
     assert calibration.device_tflops == pytest.approx(calibration.gflops * calibration.share / 1e3)
     per_layer = calibration.pass_overhead_s / profile.num_layers / calibration.share
     assert calibration.layer_overhead_s == pytest.approx(per_layer)
+    assert calibration.latency_s > 0  # two ranks started for it
     assert (calibration.bandwidth_scale, calibration.scale_reason) == (1e-3, "bench.bandwidth_scale")

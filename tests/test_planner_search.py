@@ -58,7 +58,7 @@ def exhaustive_best(topology: Topology, profile: ModelProfile, batch: BatchSetti
         if pp * chunks > profile.num_layers or batch.global_batch % dp:
             continue
         per_rank = batch.global_batch // dp
-        counts = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+        counts = [m for m in range(1, per_rank + 1) if per_rank % m == 0] if pp * chunks > 1 else [1]
         for order in itertools.permutations(topology.nic_groups()):
             layout = holmes_layout(order, dp)
             hardware = StageHardware.of(topology, layout)
@@ -70,6 +70,10 @@ def exhaustive_best(topology: Topology, profile: ModelProfile, batch: BatchSetti
                     backend=options.backend,
                     layer_overhead_s=options.layer_overhead_s,
                     optimizer_s_per_gb=options.optimizer_s_per_gb,
+                    latency_s=options.latency_s,
+                    fsdp_layer_s=options.fsdp_layer_s,
+                    fsdp_reshard_layer_s=options.fsdp_reshard_layer_s,
+                    fsdp_optimizer_layer_s=options.fsdp_optimizer_layer_s,
                 )
                 for m in counts:
                     if microbatch_problem(options.schedule, pp, m):
@@ -143,6 +147,10 @@ def requests(draw):
         backend=draw(st.sampled_from(["nccl", "gloo"])),
         layer_overhead_s=draw(st.sampled_from([0.0, 0.01])),
         optimizer_s_per_gb=draw(st.sampled_from([0.0, 0.5])),
+        latency_s=draw(st.sampled_from([0.0, 1e-3])),
+        fsdp_layer_s=draw(st.sampled_from([0.0, 2e-3])),
+        fsdp_reshard_layer_s=draw(st.sampled_from([0.0, 5e-3])),
+        fsdp_optimizer_layer_s=draw(st.sampled_from([0.0, 1e-3])),
         memory_limit_gb=draw(st.sampled_from([None, None, 4.0])),
     )
     return options, draw(st.sampled_from([1, 2]))

@@ -97,7 +97,8 @@ def test_microbatch_minimums():
     assert microbatch_problem("Interleaved1F1B", 4, 12) is None
 
 
-def test_exposed_sync_overlap_is_capped_by_backward():
+def test_exposed_sync_overlap_is_capped_by_the_pass_and_absent_in_a_pipeline():
     cost = CostModel(topology=None, profile=None, dp_overlap=0.75)
-    assert cost.exposed_sync_s(4.0, backward_s=10.0) == pytest.approx(1.0)  # 75% hidden
-    assert cost.exposed_sync_s(4.0, backward_s=2.0) == pytest.approx(2.0)  # at most the backward's 2 s hidden
+    assert cost.exposed_sync_s(4.0, compute_s=10.0) == pytest.approx(1.0)  # 75% hidden
+    assert cost.exposed_sync_s(4.0, compute_s=2.0) == pytest.approx(2.0)  # at most the pass's 2 s hidden
+    assert cost.exposed_sync_s(4.0, compute_s=10.0, pipelined=True) == 4.0  # reduced after the schedule

@@ -9,7 +9,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SUMMARY = re.compile(
-    r"holmes: (\d+) steps, train loss ([\d.]+) -> ([\d.]+) \| ([\d,]+) tokens/s \| model ([\d.]+) TFLOPS"
+    r"holmes: (\d+) steps, train loss ([\d.]+) -> ([\d.]+) \| ([\d,]+) tokens/s \(predicted ([\d,]+): measured / "
+    r"predicted [\d.]+\) \| model ([\d.]+) TFLOPS .* \| MFU \d+% of the calibrated peak"
 )
 DEPRECATION = re.compile(r"^.*(?:deprecat|FutureWarning).*$", re.IGNORECASE | re.MULTILINE)  # e.g. _pytree LeafSpec
 
@@ -40,7 +41,8 @@ def test_bad_config_exits_cleanly_before_any_rank_starts(override, code, message
 def summary_of(out: subprocess.CompletedProcess) -> tuple[int, float, float, float, float]:
     match = SUMMARY.search(out.stdout)
     assert match, f"no summary line in the output:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
-    steps, first, last, tokens, tflops = match.groups()
+    steps, first, last, tokens, predicted, tflops = match.groups()
+    assert float(predicted.replace(",", "")) > 0  # calibrated on this machine: a prediction in its own units
     return int(steps), float(first), float(last), float(tokens.replace(",", "")), float(tflops)
 
 

@@ -9,7 +9,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from holmes_lightning.bench.calibrate import Calibration, profile_gpt
+from holmes_lightning.bench.calibrate import calibrate, profile_gpt
 from holmes_lightning.bench.config import BenchSettings
 from holmes_lightning.bench.variants import Hardware, Variant, plan_variants
 from holmes_lightning.config import LabConfig
@@ -102,8 +102,8 @@ def run_bench(
 ) -> tuple[list[RunResult], dict]:
     """Calibrate, plan every variant, run each in the lab; returns the results and the run's context for the report."""
     profile = profile_gpt(settings.model)
-    calibration = Calibration.measure(
-        hybrid, profile, settings.model, settings.calibration_repeats, settings.bandwidth_scale
+    calibration = calibrate(
+        hybrid, profile, settings.model, repeats=settings.calibration_repeats, scale=settings.bandwidth_scale
     )
     print(f"bench: calibrated {calibration.describe()}", flush=True)
     hardware = Hardware.derive(hybrid, settings, calibration)

@@ -61,13 +61,7 @@ def plan_variants(
 ) -> list[Variant]:
     """Every requested variant with the plan the planner makes for it on the calibrated lab hardware."""
     batch = BatchSettings(settings.global_batch)
-    options = replace(
-        requested,
-        backend="gloo",
-        efficiency=1.0,
-        layer_overhead_s=hardware.calibration.layer_overhead_s,
-        optimizer_s_per_gb=hardware.calibration.optimizer_s_per_gb,
-    )
+    options = hardware.calibration.plan_options(replace(requested, backend="gloo"))
     hybrid = compare(hardware.lab(hardware.hybrid), profile, batch, options)
     flat_fsdp = plan(
         hardware.lab(hardware.hybrid),

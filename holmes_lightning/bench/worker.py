@@ -67,13 +67,14 @@ class StepTimer(Callback):
 class FlatFSDPGPT(GPT):
     """The recipe's GPT under ModelParallelStrategy, as a Lightning user shards it: FSDP2 per layer, then the root.
 
-    Weights stay gathered from forward to backward (ZeRO-2, one all-gather and one reduce-scatter per step), as the
-    planner's flat_fsdp alternative costs it. Lightning's FSDPStrategy wraps torch's FSDP1, which refuses CPU devices.
+    With fully_shard's default, weights are freed after forward and gathered again for backward (two all-gathers and
+    one reduce-scatter per step): what HolmesStrategy does without a pipeline (`Plan.reshard_after_forward`) and the
+    planner's flat_fsdp alternative costs. Lightning's FSDPStrategy wraps torch's FSDP1, which refuses CPU devices.
     """
 
     def configure_model(self) -> None:
         for module in (*self.pipeline_layers(), self):
-            fully_shard(module, mesh=self.device_mesh["data_parallel"], reshard_after_forward=False)
+            fully_shard(module, mesh=self.device_mesh["data_parallel"])
 
 
 def make_strategy(spec: dict, topology: Topology) -> Strategy:

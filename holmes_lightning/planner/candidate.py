@@ -54,13 +54,16 @@ class Candidate:
         self.shapes = PathShapes.of(self.schedule, pp, self.microbatches, self.chunks)
         hardware, dp = self.hardware, self.layout.dp
         order = self.in_flight if self.chunks == 1 else range(pp)  # what memory needs of each stage's order
+        self.pipelined = self.virtual > 1
         self._stage_ids = [
-            self.range_costs.stage_id((hardware.tflops[s], hardware.dp_links[s], hardware.send_links[s], order[s], dp))
+            self.range_costs.stage_id(
+                (hardware.tflops[s], hardware.dp_links[s], hardware.send_links[s], order[s], dp, self.pipelined)
+            )
             for s in range(pp)
         ]
         per_speed = {}
         for speed in set(self.hardware.tflops):
-            forward, backward = self.cost.microbatch_seconds(speed, mb)
+            forward, backward = self.cost.microbatch_seconds(speed, mb, dp=dp, pipelined=self.pipelined)
             per_speed[speed] = (_cumulative(forward), _cumulative(backward))
         self._forward = [per_speed[speed][0] for speed in self.hardware.tflops]
         self._backward = [per_speed[speed][1] for speed in self.hardware.tflops]
@@ -88,7 +91,7 @@ class Candidate:
         if virtual_stage == self.virtual - 1:
             return 0.0
         link = self.hardware.send_links[locate_virtual(virtual_stage, self.layout.pp)[0]]
-        return self._activation[stop - 1] / link.bytes_per_s
+        return self.cost.transfer_s(self._activation[stop - 1], link)
 
     def base_work_s(self, start: int, stop: int) -> float:
         """Forward + backward of one micro-batch through layers [start, stop) on the fastest stage, less the per-layer
@@ -100,7 +103,7 @@ class Candidate:
         if virtual_stage == self.virtual - 1:
             return 0.0
         link = self.hardware.send_links[locate_virtual(virtual_stage, self.layout.pp)[0]]
-        return self._least_activation / link.bytes_per_s
+        return self.cost.transfer_s(self._least_activation, link)
 
     def param_bytes(self, start: int, stop: int) -> float:
         return self._params[stop] - self._params[start]
@@ -109,13 +112,26 @@ class Candidate:
         """Activations one micro-batch leaves for the backward pass in layers [start, stop)."""
         return self._stash[stop] - self._stash[start]
 
-    def sync_s(self, stage: int, param_bytes: float) -> float:
-        return self.cost.dp_sync_s(self.layout.dp, self.hardware.dp_links[stage], param_bytes)
+    def sync_s(self, stage: int, param_bytes: float, layers: int) -> float:
+        return self.cost.dp_sync_s(
+            self.layout.dp, self.hardware.dp_links[stage], param_bytes, layers=layers, pipelined=self.pipelined
+        )
 
-    def tail_s(self, stage: int, param_bytes: float, backward_s: float) -> float:
-        """What follows a stage's last backward: the sync backward does not hide, then the optimizer step."""
-        sync = self.sync_s(stage, param_bytes)
-        return self.cost.exposed_sync_s(sync, backward_s) + self.cost.update_s(param_bytes, self.layout.dp)
+    def exposed_sync_s(self, stage: int, param_bytes: float, layers: int, compute_s: float) -> float:
+        """The sync of a stage of `layers` layers that its computation (`compute_s`: one micro-batch's forward and
+        backward) does not hide."""
+        sync = self.sync_s(stage, param_bytes, layers)
+        return self.cost.exposed_sync_s(sync, compute_s, pipelined=self.pipelined)
+
+    def update_s(self, param_bytes: float, layers: int) -> float:
+        return self.cost.update_s(param_bytes, self.layout.dp, layers=layers, pipelined=self.pipelined)
+
+    def tail_s(self, stage: int, param_bytes: float, layers: int, compute_s: float) -> float:
+        """What follows a stage's last backward: the sync the computation does not hide, the optimizer step, and a
+        pipeline's closing all-reduce of the loss over every rank."""
+        closing = self.cost.step_collective_s(self.layout.pp * self.layout.dp) if self.pipelined else 0.0
+        exposed = self.exposed_sync_s(stage, param_bytes, layers, compute_s)
+        return exposed + self.update_s(param_bytes, layers) + closing
 
     def memory_bytes(self, stage: int, param_bytes: float, stash_per_chunk: Sequence[float]) -> float:
         """Peak bytes per device of a stage holding these parameters and per-chunk stashes (one micro-batch each)."""
@@ -148,9 +164,9 @@ class Candidate:
         stash[chunk] = self.stash_bytes(start, stop)
         if not self.fits(stage, params, stash):
             return None
-        backward = self.backward_s(stage, start, stop)
-        tail = self.tail_s(stage, params, backward) if self.chunks == 1 else 0.0
-        return self.forward_s(stage, start, stop), backward, self.send_s(virtual_stage, stop), tail
+        forward, backward = self.forward_s(stage, start, stop), self.backward_s(stage, start, stop)
+        tail = self.tail_s(stage, params, stop - start, forward + backward) if self.chunks == 1 else 0.0
+        return forward, backward, self.send_s(virtual_stage, stop), tail
 
     def bounds_of(self, counts: Sequence[int]) -> list[tuple[int, int]]:
         """Layer range [start, stop) of every virtual stage."""
@@ -174,7 +190,8 @@ class Candidate:
             params = sum(self.param_bytes(*ranges[k]) for k in own)
             if not self.fits(s, params, [self.stash_bytes(*ranges[k]) for k in own]):
                 return None
-            tails.append(self.tail_s(s, params, sum(backward[k] for k in own)))
+            layers = sum(b - a for a, b in (ranges[k] for k in own))
+            tails.append(self.tail_s(s, params, layers, sum(forward[k] + backward[k] for k in own)))
         return self.replay.step_s(forward, backward, send, tails)
 
     def stage_plans(self, counts: Sequence[int]) -> list[StagePlan]:
@@ -185,9 +202,10 @@ class Candidate:
         for s, group in enumerate(self.layout.stages):
             own = tuple(ranges[k] for k in virtual_stages(s, self.chunks, pp))
             link, dp_link = self.hardware.send_links[s], self.hardware.dp_links[s]
+            forward = tuple(self.forward_s(s, a, b) for a, b in own)
             backward = tuple(self.backward_s(s, a, b) for a, b in own)
             params = sum(self.param_bytes(a, b) for a, b in own)
-            sync = self.sync_s(s, params)
+            layers = sum(b - a for a, b in own)
             plans.append(
                 StagePlan(
                     index=s,
@@ -198,16 +216,17 @@ class Candidate:
                     dp_link=dp_link.kind,
                     dp_gbps=dp_link.gbps if dp > 1 else 0.0,
                     device_tflops=self.hardware.tflops[s],
-                    forward_s=tuple(self.forward_s(s, a, b) for a, b in own),
+                    forward_s=forward,
                     backward_s=backward,
                     send_s=tuple(
                         self.send_s(k, b) for k, (_, b) in zip(virtual_stages(s, self.chunks, pp), own, strict=True)
                     ),
                     send_link=link.kind if pp > 1 else None,
                     send_gbps=link.gbps if pp > 1 else 0.0,
-                    sync_s=sync,
-                    exposed_sync_s=self.cost.exposed_sync_s(sync, sum(backward)),
-                    update_s=self.cost.update_s(params, dp),
+                    sync_s=self.sync_s(s, params, layers),
+                    exposed_sync_s=self.exposed_sync_s(s, params, layers, sum(forward) + sum(backward)),
+                    update_s=self.update_s(params, layers),
+                    closing_s=self.cost.step_collective_s(pp * dp) if self.pipelined else 0.0,
                     memory_gb=self.memory_bytes(s, params, [self.stash_bytes(a, b) for a, b in own]) / GB,
                 )
             )
@@ -221,7 +240,7 @@ class Candidate:
         total = timeline.total_s
         last = max(range(len(stages)), key=lambda s: timeline.stage_end_s[s])
         compute = m * (sum(stages[last].forward_s) + sum(stages[last].backward_s))
-        sync, update = stages[last].exposed_sync_s, stages[last].update_s
+        sync, update = stages[last].exposed_sync_s + stages[last].closing_s, stages[last].update_s
         p2p = max(min(total - no_transfers.total_s, total - compute - sync - update), 0.0)
         samples = m * self.microbatch_size * self.layout.dp
         world = self.layout.pp * self.layout.dp

@@ -2,26 +2,39 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
-from holmes_lightning.planner.plan_types import Sharding
+from holmes_lightning.planner.plan_types import Sharding, reshards_after_forward
 from holmes_lightning.planner.profile import ModelProfile
 from holmes_lightning.topology import Link, Topology
+
+BUCKET_BYTES = 25 * 2**20  # gradients per all-reduce of pipelined replicas (DDP's default: few collectives, bounded
+# extra memory); `runtime.sharding.average_gradients` buckets by it
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds and bytes of one plan's pieces.
+    """Seconds and bytes of one plan's pieces, as the runtime runs them.
 
     - Compute: FLOPs / (device peak TFLOPS x `efficiency`), or measured seconds scaled by the device's speed relative
       to the device they were measured on, per sample; plus `layer_overhead_s` per layer and micro-batch whatever
       its size (kernel launches, framework hooks), split 1:2 between forward and backward like the FLOPs.
-    - Optimizer step: `optimizer_s_per_gb` x the GB of parameters a rank holds, after its DP sync.
-    - DP sync per step: ring reduce-scatter + all-gather (FSDP) or all-reduce (replicas) of the stage's gradient
-      bytes, 2 (n-1)/n x bytes over the group's slowest link. On `backend="gloo"` a reduce-scatter runs as a whole
-      all-reduce, so FSDP moves 3 (n-1)/n x bytes there. The sync starts with the last micro-batch's backward
-      (earlier ones accumulate locally); `dp_overlap` is the fraction of it that can run under that backward.
+    - Data parallelism over more than one rank wraps every layer (a group of one stays a plain module): FSDP2's hooks
+      cost `fsdp_layer_s` per layer and micro-batch while the weights stay gathered (a pipeline), and
+      `fsdp_reshard_layer_s` per layer and pass when they are freed after forward and gathered again for backward
+      (pp=1, `Plan.reshard_after_forward`; pp=1 replicas use FSDP's machinery too, at `fsdp_layer_s`).
+    - Optimizer step: `optimizer_s_per_gb` x the GB of parameters a rank holds, after its DP sync, plus
+      `fsdp_optimizer_layer_s` per layer where the parameters are DTensors (FSDP2 and pp=1 replicas over > 1 rank).
+    - DP sync per step, over the group's slowest link: FSDP all-gathers (n-1)/n x the stage's bytes once per step in
+      a pipeline (weights stay gathered over its micro-batches), twice without one, and reduce-scatters the
+      gradients once ((n-1)/n x bytes; on `backend="gloo"` a reduce-scatter runs as a whole all-reduce, 2 (n-1)/n);
+      replicas all-reduce them (2 (n-1)/n). Every collective is per layer, except pipelined replicas' (buckets of
+      `BUCKET_BYTES`), and each of its ring steps costs `latency_s` too.
+    - Only without a pipeline does the sync run under the computation (`dp_overlap` of it at most, and no more than
+      the forward and backward pass): a pipeline reduces after its schedule's last backward.
+    - Pipeline transfers: activation bytes over the link between the stages, plus `latency_s` per message.
     - Memory per device, what training allocates beyond the process's own baseline (interpreter, torch, CUDA
       context): the rank's parameters x `state_multiplier` (weights + grads + optimizer states per parameter byte;
       4 for fp32 AdamW), FSDP's unsharded weights and gradients, and the activations autograd keeps for the
@@ -38,6 +51,10 @@ class CostModel:
     backend: str = "nccl"
     layer_overhead_s: float = 0.0
     optimizer_s_per_gb: float = 0.0
+    latency_s: float = 0.0
+    fsdp_layer_s: float = 0.0
+    fsdp_reshard_layer_s: float = 0.0
+    fsdp_optimizer_layer_s: float = 0.0
 
     def layer_seconds(self, device_tflops: float) -> tuple[list[float], list[float]]:
         """Forward and backward seconds per sample of every layer on a device of this peak speed."""
@@ -49,31 +66,68 @@ class CostModel:
         flops_per_s = device_tflops * 1e12 * self.efficiency
         return [la.forward_flops / flops_per_s for la in layers], [la.backward_flops / flops_per_s for la in layers]
 
-    def microbatch_seconds(self, device_tflops: float, microbatch_size: int) -> tuple[list[float], list[float]]:
-        """Forward and backward seconds of every layer for one micro-batch of `microbatch_size` samples."""
+    def microbatch_seconds(
+        self, device_tflops: float, microbatch_size: int, *, dp: int = 1, pipelined: bool = True
+    ) -> tuple[list[float], list[float]]:
+        """Forward and backward seconds of every layer for one micro-batch of `microbatch_size` samples, on a stage of
+        `dp` ranks (its data-parallel hooks included)."""
         forward, backward = self.layer_seconds(device_tflops)
-        overhead = self.layer_overhead_s / 3
+        overhead = (self.layer_overhead_s + self.hook_s(dp, pipelined)) / 3
         return (
             [f * microbatch_size + overhead for f in forward],
             [b * microbatch_size + 2 * overhead for b in backward],
         )
 
-    def update_s(self, param_bytes: float, dp: int) -> float:
-        """The optimizer step over the parameters one rank of a stage holds (its shard under FSDP)."""
+    def hook_s(self, dp: int, pipelined: bool) -> float:
+        """What data parallelism's per-layer hooks add to each layer's forward + backward of one micro-batch."""
+        if dp == 1 or (self.sharding is not Sharding.fsdp and pipelined):  # plain modules
+            return 0.0
+        if self.sharding is Sharding.fsdp and reshards_after_forward(pipelined=pipelined):
+            return self.fsdp_reshard_layer_s
+        return self.fsdp_layer_s
+
+    def update_s(self, param_bytes: float, dp: int, *, layers: int = 0, pipelined: bool = True) -> float:
+        """The optimizer step over the parameters one rank of a stage holds (its shard under FSDP), of `layers`."""
         held = param_bytes / dp if self.sharding is Sharding.fsdp else param_bytes
-        return self.optimizer_s_per_gb * held / 1e9
+        on_dtensors = dp > 1 and (self.sharding is Sharding.fsdp or not pipelined)
+        return self.optimizer_s_per_gb * held / 1e9 + (self.fsdp_optimizer_layer_s * layers if on_dtensors else 0.0)
 
     def dp_link(self, ranks: tuple[int, ...]) -> Link:
         return self.topology.slowest_link(ranks, rdma=self.rdma)
 
-    def dp_sync_s(self, group_size: int, link: Link, param_bytes: float) -> float:
-        """Ring sync of `param_bytes` over a group of this size whose slowest link is `link`."""
-        passes = 3 if self.sharding is Sharding.fsdp and self.backend == "gloo" else 2
-        return passes * (group_size - 1) / group_size * param_bytes / link.bytes_per_s
+    def dp_sync_s(
+        self, group_size: int, link: Link, param_bytes: float, *, layers: int = 1, pipelined: bool = True
+    ) -> float:
+        """Seconds of one step's collectives over a DP group of this size whose slowest link is `link`, for a stage
+        of `layers` layers holding `param_bytes`."""
+        n = group_size
+        if n == 1:
+            return 0.0
+        share = (n - 1) / n * param_bytes / link.bytes_per_s
+        if self.sharding is Sharding.fsdp:
+            gathers = 2 if reshards_after_forward(pipelined=pipelined) else 1
+            reduce_passes = 2 if self.backend == "gloo" else 1
+            ring_steps = (gathers + reduce_passes) * (n - 1) * layers
+            return (gathers + reduce_passes) * share + ring_steps * self.latency_s
+        collectives = math.ceil(param_bytes / BUCKET_BYTES) if pipelined else layers
+        return 2 * share + collectives * 2 * (n - 1) * self.latency_s
 
-    def exposed_sync_s(self, sync_s: float, backward_s: float) -> float:
-        """The part of the DP sync backward does not hide (`backward_s`: the last micro-batch's backward seconds)."""
-        return max(sync_s * (1 - self.dp_overlap), sync_s - backward_s)
+    def exposed_sync_s(self, sync_s: float, compute_s: float, *, pipelined: bool = False) -> float:
+        """The part of the DP sync the computation does not hide: all of it in a pipeline (it runs after the
+        schedule); else at most `dp_overlap` of it, and no more than `compute_s` (the pass's forward + backward)."""
+        if pipelined:
+            return sync_s
+        return max(sync_s * (1 - self.dp_overlap), sync_s - compute_s)
+
+    def transfer_s(self, nbytes: float, link: Link) -> float:
+        """One pipeline message of `nbytes` over `link`."""
+        return self.latency_s + nbytes / link.bytes_per_s
+
+    def step_collective_s(self, world_size: int) -> float:
+        """A pipelined step ends with one all-reduce of a scalar over every rank (the loss every rank logs): its
+        latency, 2 (n-1) messages in gloo's ring, 2 log2(n) in NCCL's tree."""
+        messages = 2 * (world_size - 1) if self.backend == "gloo" else 2 * math.ceil(math.log2(world_size))
+        return messages * self.latency_s
 
     def memory_bytes(self, param_bytes: float, *, dp: int, stash_bytes: float, pipelined: bool) -> float:
         """Peak bytes per device of a stage whose `dp` ranks hold `param_bytes` and keep `stash_bytes` of activations.

@@ -188,7 +188,7 @@ class _Search:
         work = sum(path.forward[u] + path.backward[u] for u in earlier) + forward + backward
         tail, ends = None, 0.0
         if chunk == chunks - 1:  # the stage is complete: its tail follows its last action, chunk 0's last backward
-            tail = c.tail_s(stage, params, sum(path.backward[u] for u in earlier) + backward)
+            tail = c.tail_s(stage, params, sum(b - a for a, b in ranges), work)
             ends = path.down[v] - path.down[stage] + tail
         drain = ends if v == 0 else max(ends, path.drains[v - 1] + path.send[v - 1] + path.backward[v - 1])
         bound = max(bound, path.head[stage] + m * work + (tail or 0.0))  # all its actions follow its first one

@@ -28,8 +28,9 @@ class StagePlan:
     `forward_s`/`backward_s` compute seconds and `send_s` the transfer of its output to the next virtual stage over
     `send_link` (0 for the last; no link without a pipeline). `clusters` / `nics`: what the DP group spans, one of
     each in a Holmes layout, several in a NIC-unaware one. `sync_s` is the stage's DP gradient sync per step over
-    `dp_link`, `exposed_sync_s` the part backward does not hide, `update_s` the optimizer step after it; `memory_gb`
-    the estimated peak per device.
+    `dp_link`, `exposed_sync_s` the part the computation does not hide, `closing_s` a pipelined step's all-reduce of
+    the loss over every rank after it, `update_s` the optimizer step after that; `memory_gb` the estimated peak per
+    device.
     """
 
     index: int
@@ -47,6 +48,7 @@ class StagePlan:
     send_gbps: float = 0.0
     sync_s: float = 0.0
     exposed_sync_s: float = 0.0
+    closing_s: float = 0.0
     update_s: float = 0.0
     memory_gb: float = 0.0
 
@@ -136,12 +138,8 @@ class Plan:
 
     @property
     def reshard_after_forward(self) -> bool:
-        """FSDP frees gathered weights after forward only without a pipeline (torchtitan's default policy).
-
-        Pipelined, the weights stay gathered from forward to backward: re-gathering per micro-batch costs an all-gather
-        each, and resharding gives the zero-bubble schedules wrong gradients (GUIDE section 6).
-        """
-        return not self.is_pipelined
+        """FSDP frees gathered weights after forward only without a pipeline (`reshards_after_forward`)."""
+        return reshards_after_forward(pipelined=self.is_pipelined)
 
     @property
     def chunks_per_stage(self) -> int:
@@ -197,6 +195,16 @@ class Plan:
     def speedup_over(self, other: Plan) -> float:
         """How many times faster this plan's predicted step is than `other`'s."""
         return other.prediction.total_s / self.prediction.total_s
+
+
+def reshards_after_forward(*, pipelined: bool) -> bool:
+    """The runtime's FSDP policy (torchtitan's default): free gathered weights after forward only without a pipeline.
+
+    Pipelined, the weights stay gathered from forward to backward: re-gathering per micro-batch costs an all-gather
+    each, and resharding gives the zero-bubble schedules wrong gradients (GUIDE section 6). Without a pipeline a step
+    gathers twice, for forward and again for backward.
+    """
+    return not pipelined
 
 
 def virtual_stage(stage: int, chunk: int, pp: int) -> int:

@@ -54,8 +54,13 @@ class PlanOptions:
     Interleaved1F1B. efficiency: fraction of peak
     TFLOPS layers reach. layer_overhead_s: seconds each layer adds to every micro-batch whatever its size (kernel
     launches, framework hooks), so more micro-batches are not free. optimizer_s_per_gb: optimizer step seconds per
-    GB of parameters a rank holds. dp_overlap: fraction of DP sync hidden under backward. state_multiplier: bytes
-    of weights, grads and optimizer state per parameter byte. memory_limit_gb: per device, None = unchecked.
+    GB of parameters a rank holds. latency_s: seconds every message adds whatever its size (a pipeline transfer, each
+    step of a ring collective). fsdp_layer_s / fsdp_reshard_layer_s: FSDP2's hooks per layer and micro-batch with
+    the weights kept gathered (a pipeline) / freed after forward (pp=1); fsdp_optimizer_layer_s: what DTensor
+    parameters add to the optimizer step per layer (see `CostModel`; HolmesStrategy measures all of these, and
+    efficiency, at job start). dp_overlap: fraction of DP sync hidden under the computation without a pipeline.
+    state_multiplier: bytes of weights, grads and optimizer state per parameter byte. memory_limit_gb: per device,
+    None = unchecked.
     """
 
     schedule: str = "1F1B"
@@ -69,6 +74,10 @@ class PlanOptions:
     efficiency: float = 0.5
     layer_overhead_s: float = 0.0
     optimizer_s_per_gb: float = 0.0
+    latency_s: float = 0.0
+    fsdp_layer_s: float = 0.0
+    fsdp_reshard_layer_s: float = 0.0
+    fsdp_optimizer_layer_s: float = 0.0
     dp_overlap: float = 0.5
     state_multiplier: float = 4.0
     memory_limit_gb: float | None = None
@@ -114,6 +123,10 @@ def plan(
             backend=options.backend,
             layer_overhead_s=options.layer_overhead_s,
             optimizer_s_per_gb=options.optimizer_s_per_gb,
+            latency_s=options.latency_s,
+            fsdp_layer_s=options.fsdp_layer_s,
+            fsdp_reshard_layer_s=options.fsdp_reshard_layer_s,
+            fsdp_optimizer_layer_s=options.fsdp_optimizer_layer_s,
         )
         for j, (layout, stage_hardware) in enumerate(zip(layouts, hardware, strict=True)):
             if options.sharding is Sharding.auto and _dominated(sharding, layout, options):
@@ -146,13 +159,15 @@ def plan(
 def _dominated(sharding: Sharding, layout: Layout, options: PlanOptions) -> bool:
     """A sharding the other one is never slower than on this layout, so `auto` need not try it.
 
-    One rank per stage: nothing to shard, equal costs, and FSDP's hooks would cost time for nothing: replicas. On
-    NCCL a reduce-scatter + all-gather moves what an all-reduce moves, and FSDP's optimizer step and memory are
-    smaller: FSDP.
+    One rank per stage: nothing to shard (the runtime leaves such groups plain), equal costs: replicas. In a pipeline
+    on NCCL whose hooks and messages cost nothing extra, FSDP's all-gather + reduce-scatter move what an all-reduce
+    moves, and its optimizer step and memory are smaller: FSDP. (Without a pipeline FSDP gathers twice.)
     """
     if layout.dp == 1:
         return sharding is Sharding.fsdp
-    return options.backend == "nccl" and sharding is Sharding.none
+    free = options.latency_s == options.fsdp_layer_s == options.fsdp_optimizer_layer_s == 0
+    pipelined = layout.pp * options.chunks > 1
+    return options.backend == "nccl" and pipelined and free and sharding is Sharding.none
 
 
 def _memory_problem(candidate: Candidate, counts: tuple[int, ...] | None, options: PlanOptions) -> str:
@@ -257,6 +272,20 @@ def _check_request(profile: ModelProfile, batch: BatchSettings, options: PlanOpt
         (0 <= options.dp_overlap <= 1, "strategy.dp_overlap", options.dp_overlap, "use a fraction in [0, 1]"),
         (options.layer_overhead_s >= 0, "strategy.layer_overhead_s", options.layer_overhead_s, "use seconds >= 0"),
         (options.optimizer_s_per_gb >= 0, "strategy.optimizer_s_per_gb", options.optimizer_s_per_gb, "use s >= 0"),
+        (options.latency_s >= 0, "strategy.latency_s", options.latency_s, "use seconds >= 0"),
+        (options.fsdp_layer_s >= 0, "strategy.fsdp_layer_s", options.fsdp_layer_s, "use seconds >= 0"),
+        (
+            options.fsdp_reshard_layer_s >= 0,
+            "strategy.fsdp_reshard_layer_s",
+            options.fsdp_reshard_layer_s,
+            "use seconds >= 0",
+        ),
+        (
+            options.fsdp_optimizer_layer_s >= 0,
+            "strategy.fsdp_optimizer_layer_s",
+            options.fsdp_optimizer_layer_s,
+            "use seconds >= 0",
+        ),
         (options.state_multiplier >= 1, "strategy.state_multiplier", options.state_multiplier, "use >= 1 (4: Adam)"),
         (
             options.memory_limit_gb is None or options.memory_limit_gb > 0,
@@ -352,6 +381,15 @@ def _microbatch_counts(
         )
         return []
     per_rank = batch.global_batch // dp
+    if pp * options.chunks == 1:  # no pipeline: the module's own training_step takes each replica batch in one pass
+        if batch.microbatches in (None, 1):
+            return [1]
+        problems.append(
+            f"strategy.microbatches={batch.microbatches}: without a pipeline (pp=1, one chunk) a step runs its "
+            f"{per_rank} samples per DP rank in one pass; use microbatches=1 (or null), or Lightning's "
+            f"accumulate_grad_batches"
+        )
+        return []
     if batch.microbatches is not None:
         counts = [batch.microbatches]
         if per_rank % batch.microbatches:

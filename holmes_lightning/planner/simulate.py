@@ -3,7 +3,8 @@
 Every stage runs its actions one after another. A forward of virtual stage k waits for virtual stage k-1's forward
 of the same micro-batch plus the activation transfer; a backward waits for virtual stage k+1's backward plus the
 gradient transfer (same bytes, same link). Transfers overlap compute and do not contend for links. After its last
-backward a stage spends its exposed DP sync, then its optimizer step; the step ends when the last stage is done.
+backward a stage spends its exposed DP sync (a "sync" block, with the pipeline's closing all-reduce of the loss), then
+its optimizer step; the step ends when the last stage is done.
 
 Which action waits for which does not depend on the durations, so a `Replay` lists the actions once, in an order
 where each comes after what it waits for; timing a step is then one pass over that list (the planner times many
@@ -153,7 +154,7 @@ def simulate(stages: Sequence[StagePlan], schedule: str, microbatches: int) -> T
         seconds = (stages[s].backward_s if action.backward else stages[s].forward_s)[action.chunk]
         kind = "backward" if action.backward else "forward"
         blocks.append(Block(s, kind, action.chunk, action.microbatch, end - seconds, end))
-    synced = [clock[s] + stage.exposed_sync_s for s, stage in enumerate(stages)]
+    synced = [clock[s] + stage.exposed_sync_s + stage.closing_s for s, stage in enumerate(stages)]
     finished = tuple(synced[s] + stage.update_s for s, stage in enumerate(stages))
     blocks += [Block(s, "sync", 0, -1, clock[s], synced[s]) for s in range(pp)]
     blocks += [Block(s, "optimizer", 0, -1, synced[s], finished[s]) for s in range(pp) if finished[s] > synced[s]]

@@ -24,7 +24,12 @@ def throughput_monitor(model: GPT, global_batch: int, world_size: int, window: i
 
 
 class RunSummary(Callback):
-    """Rank 0 prints the training loss (first -> last step), tokens/s and model TFLOPS when training ends."""
+    """Rank 0 prints the training loss (first -> last step), tokens/s next to the plan's prediction, model TFLOPS and
+    MFU when training ends.
+
+    MFU is against the calibrated peak: what one rank of this machine computes on this model's layers at full batch
+    (`HolmesStrategy.calibration`, measured at job start), not a datasheet number; without a calibration there is none.
+    """
 
     def __init__(self) -> None:
         self.losses: list[float] = []
@@ -42,11 +47,21 @@ class RunSummary(Callback):
         flops_per_s = metrics.get("train/device/flops_per_sec")
         world = trainer.world_size
         line = f"holmes: {len(self.losses)} steps, train loss {self.losses[0]:.3f} -> {self.losses[-1]:.3f}"
-        if tokens_per_s is not None and flops_per_s is not None:
+        if tokens_per_s is None or flops_per_s is None:
+            print(f"{line} | throughput: too few logged steps for the monitor's window (raise trainer.max_steps)")
+            return
+        measured = float(tokens_per_s) * world
+        line += f" | {measured:,.0f} tokens/s"
+        plan = getattr(trainer.strategy, "plan", None)
+        if plan is not None and plan.prediction.tokens_per_s > 0:
+            predicted = plan.prediction.tokens_per_s
+            line += f" (predicted {predicted:,.0f}: measured / predicted {measured / predicted:.2f})"
+        per_device = float(flops_per_s)
+        line += f" | model {per_device * world / 1e12:.4f} TFLOPS ({per_device / 1e12:.4f} per device x {world})"
+        calibrated = getattr(trainer.strategy, "calibration", None)
+        if calibrated is not None:
             line += (
-                f" | {float(tokens_per_s) * world:,.0f} tokens/s | model {float(flops_per_s) * world / 1e12:.4f} "
-                f"TFLOPS ({float(flops_per_s) / 1e12:.4f} per device x {world})"
+                f" | MFU {per_device / (calibrated.device_tflops * 1e12):.0%} of the calibrated peak "
+                f"({calibrated.device_tflops:.3g} TFLOPS per rank, measured at start)"
             )
-        else:
-            line += " | throughput: too few logged steps for the monitor's window (raise trainer.max_steps)"
         print(line, flush=True)

@@ -14,8 +14,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from holmes_lightning.planner import Plan, Sharding
+from holmes_lightning.planner.cost import BUCKET_BYTES
 
-BUCKET_BYTES = 25 * 2**20  # DDP's default bucket: few collectives, bounded extra memory
 BUCKETS_IN_FLIGHT = 2  # one bucket reduces while the next is flattened
 
 

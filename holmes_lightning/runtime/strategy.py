@@ -14,13 +14,14 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device,
@@ -43,8 +44,9 @@ from typing_extensions import override
 import holmes_lightning.runtime.checkpoint as checkpoint
 import holmes_lightning.runtime.nccl as nccl
 import holmes_lightning.runtime.resume as resume
-from holmes_lightning import planner
-from holmes_lightning.measure import cpu_rank_gflops, first_sample, profile_modules
+from holmes_lightning import calibration, planner
+from holmes_lightning.calibration import Calibration, handoff_latency_s
+from holmes_lightning.measure import first_sample, profile_modules, rank_share
 from holmes_lightning.planner import SCHEDULES, BatchSettings, LayerProfile, ModelProfile, Plan, PlanOptions, Sharding
 from holmes_lightning.planner.planner import LAYOUTS, SHARDINGS
 from holmes_lightning.planner.report import format_plan
@@ -92,6 +94,11 @@ class HolmesStrategy(ModelParallelStrategy):
         plan: a Plan (or its JSON file) to run instead of planning.
         profile: the model's cost profile; default: `pipeline_layers()` measured on `example_input_array`, or
             without it on one sample of the running entry point's DataLoader (meta layers: on meta tensors).
+        calibrate: before planning, measure this machine on the model (`holmes_lightning.calibration`: the device's
+            speed on its layers, the fixed cost per layer, FSDP2's hooks, the optimizer step, and a message between
+            two ranks), cached per machine and model shape, so the plan and its printed prediction are this
+            machine's; `strategy.calibration` keeps what was measured. False: plan with `options` as given (the
+            cluster config's TFLOPS x `efficiency`). Not with plan= or without `pipeline_layers()`.
         timeout: seconds (or a timedelta) a collective may wait before the job fails.
     """
 
@@ -112,6 +119,7 @@ class HolmesStrategy(ModelParallelStrategy):
         layout: str | None = None,
         plan: Plan | str | Path | None = None,
         profile: ModelProfile | None = None,
+        calibrate: bool = True,
         timeout: float | timedelta = default_pg_timeout,
         process_group_backend: str | None = None,
     ) -> None:
@@ -134,6 +142,8 @@ class HolmesStrategy(ModelParallelStrategy):
         self.cluster = cluster
         self.batch = None if global_batch is None else BatchSettings(global_batch, microbatches)
         self.profile = profile
+        self.calibrate = calibrate
+        self.calibration: Calibration | None = None
         self.plan: Plan | None = (
             plan if isinstance(plan, Plan) or plan is None else Plan.from_json(Path(plan).read_text())
         )
@@ -292,45 +302,89 @@ class HolmesStrategy(ModelParallelStrategy):
         self.lightning_module._device_mesh = self._device_mesh
 
     def _agree_on_plan(self, trainer: pl.Trainer) -> Plan:
-        """Rank 0 profiles the model once and plans (or checks the given plan); every rank gets it, or its error."""
-        outcome: tuple[str, str] | Exception | None = None
+        """Rank 0 profiles the model once, calibrates this machine on it and plans (or checks the given plan); every
+        rank gets the plan and the calibration, or the error.
+
+        Calibrating takes every rank first: they time a message between two of them while all compute, and make the
+        group of rank 0 alone that FSDP is timed on.
+        """
+        calibrating = self.calibrate and self.plan is None
+        latency = handoff_latency_s(self.root_device) if calibrating else 0.0
+        alone = dist.new_group([0]) if calibrating else None
+        outcome: tuple[str, str, dict | None] | Exception | None = None
         if self.global_rank == 0:
             try:
-                profile = self._profile(trainer)
-                chosen = self._check_given_plan(self.plan) if self.plan else self._make_plan(profile)
-                outcome = (chosen.to_json(), format_plan(chosen, profile))
+                sample = self._sample(trainer)
+                profile = self._profile(sample)
+                calibrated = None
+                if self.plan is not None:
+                    chosen = self._check_given_plan(self.plan)
+                else:
+                    if calibrating and sample is not None:
+                        calibrated = self._calibrate(sample, profile, latency_s=latency, group=alone)
+                    chosen = self._make_plan(profile, calibrated)
+                described = format_plan(chosen, profile)
+                if calibrated is not None:
+                    described += f"\n  calibrated: {calibrated.describe()}"
+                outcome = (chosen.to_json(), described, None if calibrated is None else asdict(calibrated))
             except Exception as error:  # any failure must reach the other ranks, or they wait for the plan forever
                 outcome = error
         outcome = self.broadcast(outcome)
+        if alone is not None and self.global_rank == 0:
+            dist.destroy_process_group(alone)
         if isinstance(outcome, Exception):
             raise outcome
-        plan_json, description = outcome
+        plan_json, description, calibrated = outcome
+        self.calibration = None if calibrated is None else Calibration(**calibrated)
         rank_zero_info(description)
         return Plan.from_json(plan_json)
 
-    def _profile(self, trainer: pl.Trainer) -> ModelProfile:
-        """The given profile, or `pipeline_layers()` measured on one sample (one layer without them).
+    def _sample(self, trainer: pl.Trainer) -> torch.Tensor | None:
+        """One sample's inputs (samples first) to profile and time `pipeline_layers()` on: `example_input_array`, else
+        one of the running entry point's DataLoader; None without pipeline layers or with a given profile.
 
-        The sample is `example_input_array`, else one of the running entry point's DataLoader. The random state is
-        left as it was, so rank 0 draws the same numbers afterwards as the ranks that did not profile.
+        The random state is left as it was, so rank 0 draws the same numbers afterwards as the ranks that did not.
         """
+        module = self.lightning_module
+        assert module is not None
+        if missing_contract(module) or (self.profile is not None and not self.calibrate):
+            return None
+        if torch.is_tensor(module.example_input_array):
+            return module.example_input_array
+        states = _collect_rng_states()
+        self._profiling = True
+        try:
+            return _sample_inputs(trainer, type(module).__name__)
+        finally:
+            self._profiling = False
+            _set_rng_states(states)
+
+    def _profile(self, sample: torch.Tensor | None) -> ModelProfile:
+        """The given profile, or `pipeline_layers()` measured on `sample` (one layer without them)."""
         module = self.lightning_module
         assert module is not None
         if self.profile is not None:
             return self.profile
-        if missing_contract(module):
+        if sample is None:
             param_bytes = float(sum(p.numel() * p.element_size() for p in module.parameters()))
             return ModelProfile(type(module).__name__, (LayerProfile("model", 0.0, 0.0, param_bytes, 0.0, 0.0),), 1)
         states = _collect_rng_states()
-        self._profiling = True
         try:
-            sample = module.example_input_array
-            if not torch.is_tensor(sample):
-                sample = _sample_inputs(trainer, type(module).__name__)
             return profile_modules(module.pipeline_layers(), sample, name=type(module).__name__)
         finally:
-            self._profiling = False
             _set_rng_states(states)
+
+    def _calibrate(
+        self, sample: torch.Tensor, profile: ModelProfile, *, latency_s: float, group: dist.ProcessGroup | None
+    ) -> Calibration:
+        """This rank's costs on the model (`calibration.measure`, cached per machine and model shape), at the share of
+        the device each of the processes on this host gets."""
+        module = self.lightning_module
+        assert module is not None
+        measured = calibration.measure(module.pipeline_layers(), sample, device=self.root_device, group=group)
+        host_ranks = host_position(os.environ, self.local_rank, self.num_processes)[1]
+        share = rank_share(host_ranks) if self.root_device.type == "cpu" else 1.0
+        return Calibration.of(measured, profile, share=share, latency_s=latency_s)
 
     def _check_given_plan(self, given: Plan) -> Plan:
         assert self.topology is not None
@@ -346,11 +400,14 @@ class HolmesStrategy(ModelParallelStrategy):
             )
         return given
 
-    def _make_plan(self, profile: ModelProfile) -> Plan:
+    def _make_plan(self, profile: ModelProfile, calibrated: Calibration | None) -> Plan:
         assert self.topology is not None and self.lightning_module is not None
+        options = replace(self.options, backend=self._get_process_group_backend())
+        if calibrated is not None:  # compute as a fraction of the configured speed of rank 0's device
+            options = calibrated.plan_options(options, peak_tflops=self.topology.node_of(0).device_tflops)
         if missing_contract(self.lightning_module):  # pp=1: one FSDP group over every rank
             batch = self.batch or BatchSettings(self.topology.world_size)
-            options = replace(self._options_for_this_machine(), layout="flat_fsdp", pp=None, dp=None, partition="auto")
+            options = replace(options, layout="flat_fsdp", pp=None, dp=None, partition="auto")
             found = planner.plan(self.topology, profile, replace(batch, microbatches=None), options)
             return replace(found, notes=(*found.notes, "no pipeline contract (pipeline_layers): FSDP over all ranks"))
         if self.batch is None:
@@ -358,17 +415,7 @@ class HolmesStrategy(ModelParallelStrategy):
                 "HolmesStrategy(global_batch=None): the planner needs the samples per optimizer step; pass "
                 "global_batch=<sequences per step over all DP replicas>"
             )
-        return planner.plan(self.topology, profile, self.batch, self._options_for_this_machine())
-
-    def _options_for_this_machine(self) -> PlanOptions:
-        """The collective library in use; on CPU, compute at this CPU's matmul speed (the TFLOPS describe GPUs)."""
-        assert self.topology is not None
-        options = replace(self.options, backend=self._get_process_group_backend())
-        if self.root_device.type != "cpu":
-            return options
-        peak_gflops = 1000 * max(node.device_tflops for node in self.topology.nodes)
-        efficiency = min(1.0, cpu_rank_gflops(self.topology.world_size) / peak_gflops)
-        return replace(options, efficiency=efficiency)
+        return planner.plan(self.topology, profile, self.batch, options)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

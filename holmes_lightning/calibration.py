@@ -1,0 +1,419 @@
+"""What one rank of this machine costs the cost model, measured on the model being planned and cached per machine.
+
+In one process, alone (HolmesStrategy's rank 0 at job start, or the benchmark before its runs), on one copy of each
+distinct pipeline layer (a layer on the meta device gets a full copy on the device, one at a time):
+
+- forward + backward at `FIT_SAMPLES` samples: the slope is the time per sample (the profile's FLOPs over it: the
+  device's FLOP/s on this model), what is left at zero samples the fixed cost of a pass;
+- the same under FSDP2 on a group of one rank, the weights kept gathered with no gradient sync (a pipeline's
+  micro-batches) and freed after forward with it (pp=1): FSDP's hooks per layer and pass;
+- one fused AdamW step (the recipe's optimizer) over the plain and over the FSDP (DTensor) parameters.
+
+These single-process results are cached per device, torch version and model shape (`cache_dir()`); a later job with
+the same ones reads them instead. With every rank of the job (a collective, `handoff_latency_s`): the latency of a
+message between two ranks while every rank computes. When ranks share CPU cores each is credited its share of them
+(`measure.rank_share`).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+
+from holmes_lightning.planner import ModelProfile, PlanOptions
+from holmes_lightning.processes import free_port
+
+FIT_SAMPLES = (1, 4)  # forward + backward is timed at these sample counts
+HANDOFF_ROUNDS = 20
+HANDOFF_BURST_S = 2e-3  # CPU seconds a rank computes between hand-offs: a micro-batch's work on a lab rank
+CACHE_ENV = "HOLMES_CALIBRATION_DIR"
+CACHE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """The model's costs in one process alone on `device` (whole model: sums over its layers; seconds)."""
+
+    device: str
+    per_sample_s: float
+    pass_overhead_s: float
+    optimizer_s: float
+    fsdp_pass_s: float
+    fsdp_reshard_pass_s: float
+    fsdp_optimizer_s: float
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """One rank of this machine as the cost model sees it, and what was measured for it.
+
+    Measured in one process alone: `gflops` per marginal sample, `pass_overhead_s` (forward + backward at zero
+    samples, whole model) and `optimizer_s` (one AdamW step over the model). The cost model gets them at the rank's
+    `share` of the device: `device_tflops`, `layer_overhead_s` (per layer and micro-batch), `optimizer_s_per_gb`,
+    and FSDP2's per-layer costs (`fsdp_layer_s` per micro-batch with weights kept gathered, `fsdp_reshard_layer_s`
+    per pass when freed after forward, `fsdp_optimizer_layer_s` per step on DTensor parameters). `latency_s`: a
+    message between two ranks while all compute. Links run at their configured speed x `bandwidth_scale` (the lab's;
+    1 on a real network).
+    """
+
+    gflops: float
+    pass_overhead_s: float
+    optimizer_s: float
+    share: float
+    device_tflops: float
+    layer_overhead_s: float
+    optimizer_s_per_gb: float
+    bandwidth_scale: float = 1.0
+    scale_reason: str = "configured link speeds"
+    fsdp_layer_s: float = 0.0
+    fsdp_reshard_layer_s: float = 0.0
+    fsdp_optimizer_layer_s: float = 0.0
+    latency_s: float = 0.0
+    device: str = ""
+
+    @classmethod
+    def of(
+        cls,
+        measured: Measurement,
+        profile: ModelProfile,
+        *,
+        share: float,
+        latency_s: float = 0.0,
+        bandwidth_scale: float = 1.0,
+        scale_reason: str = "configured link speeds",
+    ) -> Calibration:
+        """A rank's costs from one process's `measured` ones, when it gets `share` of the device."""
+        gflops = profile.flops_per_sample / max(measured.per_sample_s, 1e-12) / 1e9
+        per_layer = profile.num_layers * share
+        return cls(
+            gflops=gflops,
+            pass_overhead_s=measured.pass_overhead_s,
+            optimizer_s=measured.optimizer_s,
+            share=share,
+            device_tflops=gflops * share / 1e3,
+            layer_overhead_s=measured.pass_overhead_s / per_layer,
+            optimizer_s_per_gb=measured.optimizer_s / (profile.param_bytes / 1e9) / share,
+            bandwidth_scale=bandwidth_scale,
+            scale_reason=scale_reason,
+            fsdp_layer_s=measured.fsdp_pass_s / per_layer,
+            fsdp_reshard_layer_s=measured.fsdp_reshard_pass_s / per_layer,
+            fsdp_optimizer_layer_s=measured.fsdp_optimizer_s / per_layer,
+            latency_s=latency_s,
+            device=measured.device,
+        )
+
+    def plan_options(self, options: PlanOptions, peak_tflops: float | None = None) -> PlanOptions:
+        """`options` with this machine's costs; compute as a fraction of a `peak_tflops` device (None: this rank's
+        speed is the topology's device speed, as in the lab's topology)."""
+        efficiency = 1.0 if peak_tflops is None else min(1.0, self.device_tflops / peak_tflops)
+        return replace(
+            options,
+            efficiency=efficiency,
+            layer_overhead_s=self.layer_overhead_s,
+            optimizer_s_per_gb=self.optimizer_s_per_gb,
+            latency_s=self.latency_s,
+            fsdp_layer_s=self.fsdp_layer_s,
+            fsdp_reshard_layer_s=self.fsdp_reshard_layer_s,
+            fsdp_optimizer_layer_s=self.fsdp_optimizer_layer_s,
+        )
+
+    def describe(self) -> str:
+        return (
+            f"{self.device or 'this device'}, one rank measured alone: {self.gflops:.3g} GFLOP/s per sample + "
+            f"{self.pass_overhead_s * 1e3:.1f} ms per forward+backward pass, AdamW step {self.optimizer_s * 1e3:.1f} "
+            f"ms; x {self.share:g} device share -> device_tflops={self.device_tflops:.3g}, "
+            f"layer_overhead_s={self.layer_overhead_s:.3g}, optimizer_s_per_gb={self.optimizer_s_per_gb:.3g}, FSDP "
+            f"per layer {self.fsdp_layer_s * 1e3:.2f} ms (kept) / {self.fsdp_reshard_layer_s * 1e3:.2f} ms "
+            f"(resharded) + optimizer {self.fsdp_optimizer_layer_s * 1e3:.2f} ms; message latency "
+            f"{self.latency_s * 1e3:.2f} ms; bandwidth_scale={self.bandwidth_scale:.3g} ({self.scale_reason})"
+        )
+
+
+def measure(
+    layers: Sequence[nn.Module],
+    sample: torch.Tensor,
+    *,
+    device: torch.device,
+    repeats: int = 5,
+    group: dist.ProcessGroup | None = None,
+) -> Measurement:
+    """Time `layers` (applied in order to `sample`, samples first) on `device`, or read the cached result.
+
+    FSDP2 runs on `group`, a group of this rank alone; None: a world of one process made for the moment (there must
+    be no default group then).
+    """
+    path = cache_dir() / f"{_cache_key(layers, sample, device)}.json"
+    if path.is_file():
+        return Measurement(**json.loads(path.read_text()))
+    measured = _measure(layers, sample, device=device, repeats=repeats, group=group)
+    _write(path, asdict(measured))
+    return measured
+
+
+def _write(path: Path, data: dict) -> None:
+    """Write `data` as JSON to `path` whole or not at all (concurrent jobs may read it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps(data))
+    partial.replace(path)
+
+
+def cache_dir() -> Path:
+    """Where measurements are kept: $HOLMES_CALIBRATION_DIR, else ~/.cache/holmes_lightning/calibration."""
+    default = Path.home() / ".cache" / "holmes_lightning" / "calibration"
+    return Path(os.environ.get(CACHE_ENV, default))
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
+    models = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return f"cpu:{models[0] if models else platform.processor()} x{os.cpu_count()}"
+
+
+def _cache_key(layers: Sequence[nn.Module], sample: torch.Tensor, device: torch.device) -> str:
+    shape = {
+        "version": CACHE_VERSION,
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "samples": FIT_SAMPLES,
+        "sample": [list(sample.shape[1:]), str(sample.dtype)],
+        "layers": [_signature(layer) for layer in layers],
+    }
+    return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _signature(layer: nn.Module) -> list:
+    """What a layer's cost depends on besides its input: its type and every tensor's name, shape and dtype."""
+    tensors = [*layer.named_parameters(), *layer.named_buffers()]
+    return [type(layer).__name__, [[name, list(t.shape), str(t.dtype)] for name, t in tensors]]
+
+
+@dataclass
+class _LayerTimes:
+    per_sample_s: float
+    fixed_s: float
+    optimizer_s: float
+    fsdp_s: float
+    fsdp_reshard_s: float
+    fsdp_optimizer_s: float
+
+
+def _measure(
+    layers: Sequence[nn.Module],
+    sample: torch.Tensor,
+    *,
+    device: torch.device,
+    repeats: int,
+    group: dist.ProcessGroup | None,
+) -> Measurement:
+    """Each distinct layer timed once on the input it gets in the model; repeats of it count its times again."""
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # a lab rank is one thread
+    times: dict[str, tuple[_LayerTimes, torch.Tensor]] = {}
+    total: list[_LayerTimes] = []
+    x = sample.to(device)
+    try:
+        random_state = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+        with random_state, _single_rank_mesh(device, group) as mesh:
+            for layer in layers:
+                key = json.dumps([_signature(layer), list(x.shape), str(x.dtype)])
+                if key not in times:
+                    times[key] = _time_layer(layer, x, mesh=mesh, device=device, repeats=repeats)
+                layer_times, x = times[key]
+                total.append(layer_times)
+    finally:
+        torch.set_num_threads(threads)
+    return Measurement(
+        device=device_name(device),
+        per_sample_s=sum(t.per_sample_s for t in total),
+        pass_overhead_s=sum(t.fixed_s for t in total),
+        optimizer_s=sum(t.optimizer_s for t in total),
+        fsdp_pass_s=sum(t.fsdp_s for t in total),
+        fsdp_reshard_pass_s=sum(t.fsdp_reshard_s for t in total),
+        fsdp_optimizer_s=sum(t.fsdp_optimizer_s for t in total),
+    )
+
+
+def _time_layer(
+    layer: nn.Module, x: torch.Tensor, *, mesh: DeviceMesh, device: torch.device, repeats: int
+) -> tuple[_LayerTimes, torch.Tensor]:
+    """One layer's times, and its output on one sample (the next layer's input)."""
+    plain, kept, resharded = (_copy_on(layer, device) for _ in range(3))
+    for wrapped, reshard in ((kept, False), (resharded, True)):
+        fully_shard(wrapped, mesh=mesh, reshard_after_forward=reshard)
+    kept.set_requires_gradient_sync(False)  # a pipeline's micro-batches: gradients accumulate, weights stay gathered
+    kept.set_reshard_after_backward(False)
+    inputs = {n: x.expand(n, *x.shape[1:]).contiguous() for n in FIT_SAMPLES}
+    runs: dict[str, list[float]] = {name: [] for name in ("few", "many", "kept", "resharded", "adam", "adam_fsdp")}
+    optimizers = {id(net): torch.optim.AdamW(net.parameters(), lr=1e-6, fused=True) for net in (plain, resharded)}
+    few, many = FIT_SAMPLES
+    for _ in range(repeats + 1):  # the first round warms up allocator and kernels
+        runs["few"].append(_pass_s(plain, inputs[few], device))
+        runs["many"].append(_pass_s(plain, inputs[many], device))
+        runs["kept"].append(_pass_s(kept, inputs[few], device))
+        runs["resharded"].append(_pass_s(resharded, inputs[few], device))
+        runs["adam"].append(_step_s(optimizers[id(plain)], device))
+        runs["adam_fsdp"].append(_step_s(optimizers[id(resharded)], device))
+    median = {name: statistics.median(values[1:]) for name, values in runs.items()}
+    per_sample = max(median["many"] - median["few"], 0.0) / (many - few)
+    with torch.no_grad():
+        out = plain(x)
+    return (
+        _LayerTimes(
+            per_sample_s=per_sample,
+            fixed_s=max(median["few"] - few * per_sample, 0.0),
+            optimizer_s=median["adam"],
+            fsdp_s=max(median["kept"] - median["few"], 0.0),
+            fsdp_reshard_s=max(median["resharded"] - median["few"], 0.0),
+            fsdp_optimizer_s=max(median["adam_fsdp"] - median["adam"], 0.0),
+        ),
+        out.detach(),
+    )
+
+
+def _copy_on(layer: nn.Module, device: torch.device) -> nn.Module:
+    """A copy of `layer` on `device` with storage (a meta layer's filled with small random values)."""
+    twin = copy.deepcopy(layer)
+    if not any(t.is_meta for t in (*twin.parameters(), *twin.buffers())):
+        return twin.to(device)
+    twin = twin.to_empty(device=device)
+    with torch.no_grad():
+        for tensor in (*twin.parameters(), *twin.buffers()):
+            tensor.normal_(0.0, 0.02) if tensor.is_floating_point() else tensor.zero_()
+    return twin
+
+
+def _pass_s(net: nn.Module, inputs: torch.Tensor, device: torch.device) -> float:
+    """Seconds of one forward + backward (gradient of ones at the output), gradients left in the parameters."""
+    inputs = inputs.detach().requires_grad_(True) if inputs.is_floating_point() else inputs
+    _synchronize(device)
+    start = time.perf_counter()
+    out = net(inputs)
+    out.backward(torch.ones_like(out))
+    _synchronize(device)
+    return time.perf_counter() - start
+
+
+def _step_s(optimizer: torch.optim.Optimizer, device: torch.device) -> float:
+    _synchronize(device)
+    start = time.perf_counter()
+    optimizer.step()
+    _synchronize(device)
+    optimizer.zero_grad(set_to_none=False)  # keep the gradients: every round steps over all of them
+    return time.perf_counter() - start
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextmanager
+def _single_rank_mesh(device: torch.device, group: dist.ProcessGroup | None) -> Iterator[DeviceMesh]:
+    """A DeviceMesh of this rank alone: over `group`, else over a world of one process made for the moment."""
+    if group is not None:
+        yield DeviceMesh.from_group(group, device.type)
+        return
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield DeviceMesh.from_group(dist.group.WORLD, device.type)
+    finally:
+        dist.destroy_process_group()
+
+
+def handoff_latency_s(device: torch.device, *, burst_s: float = HANDOFF_BURST_S, rounds: int = HANDOFF_ROUNDS) -> float:
+    """Seconds a small message between two ranks takes while every rank computes: a pipeline's hand-off.
+
+    Every rank of the default group calls it. Ranks pair up (0-1, 2-3, ...); all first compute `rounds` bursts of
+    `burst_s` (this thread's CPU time, whatever else runs), then compute as much and swap a message with their partner
+    after each burst; the difference per message is its latency (on a CPU whose cores the ranks share, mostly the
+    time a woken rank waits for one). Every rank gets the mean over the pairs.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    partner = rank ^ 1
+    if world == 1:
+        return 0.0
+    message = torch.zeros(1, device=device)
+    work = torch.full((64, 64), 0.01, device=device)
+
+    def compute() -> None:
+        until = time.thread_time() + burst_s
+        while time.thread_time() < until:
+            torch.mm(work, work)
+        _synchronize(device)
+
+    def exchange() -> None:
+        first, then = (dist.send, dist.recv) if rank % 2 == 0 else (dist.recv, dist.send)
+        first(message, partner)
+        then(message, partner)
+
+    seconds = []
+    for swap in (False, True):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(rounds):
+            compute()
+            if swap and partner < world:
+                exchange()
+        seconds.append(time.perf_counter() - start)
+    paired = partner < world
+    latency = max(seconds[1] - seconds[0], 0.0) / (2 * rounds) if paired else 0.0
+    mine = torch.tensor([latency, float(paired)], device=device)
+    dist.all_reduce(mine)
+    return float(mine[0] / mine[1])
+
+
+def local_handoff_latency_s(world_size: int, *, burst_s: float = HANDOFF_BURST_S) -> float:
+    """`handoff_latency_s` of `world_size` single-thread ranks on this machine (loopback), started here for it, or
+    the cached result for this device and rank count."""
+    if world_size == 1:
+        return 0.0
+    key = json.dumps([CACHE_VERSION, device_name(torch.device("cpu")), world_size, burst_s, HANDOFF_ROUNDS])
+    path = cache_dir() / f"handoff-{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+    if path.is_file():
+        return json.loads(path.read_text())["latency_s"]
+    port = free_port()
+    code = (
+        "import sys, torch, torch.distributed as dist; from holmes_lightning.calibration import handoff_latency_s; "
+        "rank, world, port, burst = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]); "
+        "torch.set_num_threads(1); "
+        "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=world); "
+        "print(handoff_latency_s(torch.device('cpu'), burst_s=burst)); dist.destroy_process_group()"
+    )
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(rank), str(world_size), str(port), str(burst_s)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        for rank in range(world_size)
+    ]
+    outputs = [process.communicate()[0] for process in ranks]
+    if any(process.returncode for process in ranks):
+        raise RuntimeError(f"measuring the hand-off latency of {world_size} local ranks failed; their output is above")
+    latency = float(outputs[0].split()[-1])
+    _write(path, {"latency_s": latency})
+    return latency

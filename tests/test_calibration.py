@@ -1,0 +1,98 @@
+"""Calibration: what the cost model is told about this machine, measured on the model itself and cached."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from holmes_lightning import calibration
+from holmes_lightning.calibration import Calibration, Measurement
+from holmes_lightning.planner import LayerProfile, ModelProfile, PlanOptions
+
+MEASURED = Measurement(
+    device="cpu:test",
+    per_sample_s=0.004,
+    pass_overhead_s=0.006,
+    optimizer_s=0.002,
+    fsdp_pass_s=0.003,
+    fsdp_reshard_pass_s=0.009,
+    fsdp_optimizer_s=0.0015,
+)
+
+
+def three_layers(flops: float = 1e9, param_bytes: float = 1e6) -> ModelProfile:
+    layer = LayerProfile("layer", flops / 3, 2 * flops / 3, param_bytes, 1e3, 1e3)
+    return ModelProfile("three", (layer, layer, layer), tokens_per_sample=8)
+
+
+def test_a_ranks_costs_are_the_measurement_at_its_share_spread_over_layers():
+    profile = three_layers()
+    calibrated = Calibration.of(MEASURED, profile, share=0.5, latency_s=1e-3)
+    assert calibrated.gflops == pytest.approx(3e9 / 0.004 / 1e9)  # the model's FLOPs over the time per sample
+    assert calibrated.device_tflops == pytest.approx(calibrated.gflops * 0.5 / 1e3)
+    per_layer = 3 * 0.5  # three layers, each at half a core
+    assert calibrated.layer_overhead_s == pytest.approx(0.006 / per_layer)
+    assert calibrated.fsdp_layer_s == pytest.approx(0.003 / per_layer)
+    assert calibrated.fsdp_reshard_layer_s == pytest.approx(0.009 / per_layer)
+    assert calibrated.fsdp_optimizer_layer_s == pytest.approx(0.0015 / per_layer)
+    assert calibrated.optimizer_s_per_gb == pytest.approx(0.002 / (3e6 / 1e9) / 0.5)
+    options = calibrated.plan_options(PlanOptions(pp=2), peak_tflops=calibrated.device_tflops * 4)
+    assert (options.pp, options.efficiency, options.latency_s) == (2, pytest.approx(0.25), 1e-3)
+    assert calibrated.plan_options(PlanOptions()).efficiency == 1.0  # the topology already runs at this speed
+    assert "cpu:test" in calibrated.describe() and "latency 1.00 ms" in calibrated.describe()
+
+
+class Scale(nn.Module):
+    """A layer of someone else's model: a learned per-feature scale."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+def stranger_layers() -> list[nn.Module]:
+    """An MLP as pipeline layers: one input layer, three identical hidden ones, an output layer."""
+    return [nn.Linear(6, 16), *(nn.Sequential(nn.Linear(16, 16), Scale(16)) for _ in range(3)), nn.Linear(16, 2)]
+
+
+def test_each_distinct_layer_is_timed_once_and_the_result_is_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv(calibration.CACHE_ENV, str(tmp_path))
+    layers = stranger_layers()
+    ran: list[int] = []
+    for index, layer in enumerate(layers):  # copies of a layer keep its hooks: they log the original's index
+        layer.register_forward_hook(lambda _module, _args, _out, index=index: ran.append(index))
+    measured = calibration.measure(layers, torch.randn(1, 6), device=torch.device("cpu"), repeats=2)
+    assert sorted(set(ran)) == [0, 1, 4]  # the second and third hidden layers repeat the first one's times
+    assert measured.per_sample_s >= 0 and measured.pass_overhead_s > 0 and measured.optimizer_s > 0
+    assert min(measured.fsdp_pass_s, measured.fsdp_reshard_pass_s, measured.fsdp_optimizer_s) >= 0
+    assert [p.name for p in tmp_path.glob("*.json")] != []
+    ran.clear()
+    again = calibration.measure(stranger_layers(), torch.randn(1, 6), device=torch.device("cpu"))
+    assert again == measured and ran == []  # same machine and model shape: read, not timed
+    wider = calibration.measure(
+        [nn.Linear(6, 32), nn.Linear(32, 2)], torch.randn(1, 6), device=torch.device("cpu"), repeats=1
+    )
+    assert wider != measured and len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_layers_on_the_meta_device_are_timed_on_real_copies(tmp_path, monkeypatch):
+    monkeypatch.setenv(calibration.CACHE_ENV, str(tmp_path))
+    with torch.device("meta"):
+        layers = stranger_layers()
+    measured = calibration.measure(layers, torch.randn(1, 6), device=torch.device("cpu"), repeats=1)
+    assert measured.per_sample_s >= 0 and measured.pass_overhead_s > 0
+    assert all(p.is_meta for layer in layers for p in layer.parameters())  # the model itself stays unallocated
+
+
+@pytest.mark.slow
+def test_the_latency_of_local_ranks_is_measured_in_processes_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv(calibration.CACHE_ENV, str(tmp_path))
+    latency = calibration.local_handoff_latency_s(2)
+    assert 0 < latency < 1
+    assert len(list(tmp_path.glob("handoff-*.json"))) == 1
+    assert calibration.local_handoff_latency_s(2) == latency
+    assert calibration.local_handoff_latency_s(1) == 0.0
