@@ -233,7 +233,7 @@ def _measure(
         torch.set_num_threads(1)  # a lab rank is one thread
     times: dict[str, tuple[_LayerTimes, torch.Tensor]] = {}
     total: list[_LayerTimes] = []
-    x = sample.to(device)
+    x = sample[:1].to(device)  # one sample: FIT_SAMPLES sets the batch sizes timed
     try:
         random_state = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
         with random_state, _single_rank_mesh(device, group) as mesh:

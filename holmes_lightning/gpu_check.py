@@ -162,7 +162,12 @@ def train_worker(device: str, report: Path) -> None:
         "clusters": [{"name": "local", "nodes": 1, "nic": {"kind": None}}],
     }
     strategy = HolmesStrategy(
-        cluster=cluster, pp=pp, dp=dp, sharding="fsdp", global_batch=global_batch, microbatches=MICROBATCHES
+        cluster=cluster,
+        pp=pp,
+        dp=dp,
+        sharding="fsdp",
+        global_batch=global_batch,
+        microbatches=MICROBATCHES if pp > 1 else None,  # one pass per step without a pipeline
     )
     losses = StepLosses()
     trainer = L.Trainer(

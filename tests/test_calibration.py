@@ -71,10 +71,10 @@ def test_each_distinct_layer_is_timed_once_and_the_result_is_cached(tmp_path, mo
     assert min(measured.fsdp_pass_s, measured.fsdp_reshard_pass_s, measured.fsdp_optimizer_s) >= 0
     assert [p.name for p in tmp_path.glob("*.json")] != []
     ran.clear()
-    again = calibration.measure(stranger_layers(), torch.randn(1, 6), device=torch.device("cpu"))
-    assert again == measured and ran == []  # same machine and model shape: read, not timed
-    wider = calibration.measure(
-        [nn.Linear(6, 32), nn.Linear(32, 2)], torch.randn(1, 6), device=torch.device("cpu"), repeats=1
+    again = calibration.measure(stranger_layers(), torch.randn(4, 6), device=torch.device("cpu"))
+    assert again == measured and ran == []  # same machine and shape per sample: read, not timed
+    wider = calibration.measure(  # a DataLoader's batch of 4 samples: timed on one of them
+        [nn.Linear(6, 32), nn.Linear(32, 2)], torch.randn(4, 6), device=torch.device("cpu"), repeats=1
     )
     assert wider != measured and len(list(tmp_path.glob("*.json"))) == 2
 
