@@ -27,6 +27,7 @@ from holmes_lightning.planner.candidate import Candidate
 from holmes_lightning.planner.cost import CostModel
 from holmes_lightning.planner.layout import StageHardware, dp_degrees, holmes_layout
 from holmes_lightning.planner.partition import PartitionStats, search_partition
+from holmes_lightning.planner.planner import cost_model
 from holmes_lightning.planner.report import format_comparison
 from holmes_lightning.planner.schedules import microbatch_problem
 from holmes_lightning.planner.search import SearchStats
@@ -63,18 +64,7 @@ def exhaustive_best(topology: Topology, profile: ModelProfile, batch: BatchSetti
             layout = holmes_layout(order, dp)
             hardware = StageHardware.of(topology, layout)
             for sharding in (Sharding.fsdp, Sharding.none):
-                cost = CostModel(
-                    topology,
-                    profile,
-                    sharding=sharding,
-                    backend=options.backend,
-                    layer_overhead_s=options.layer_overhead_s,
-                    optimizer_s_per_gb=options.optimizer_s_per_gb,
-                    latency_s=options.latency_s,
-                    fsdp_layer_s=options.fsdp_layer_s,
-                    fsdp_reshard_layer_s=options.fsdp_reshard_layer_s,
-                    fsdp_optimizer_layer_s=options.fsdp_optimizer_layer_s,
-                )
+                cost = cost_model(topology, profile, options, sharding)
                 for m in counts:
                     if microbatch_problem(options.schedule, pp, m):
                         continue

@@ -87,6 +87,25 @@ class PlanOptions:
         return self.chunks_per_stage if self.schedule == "Interleaved1F1B" else 1
 
 
+def cost_model(topology: Topology, profile: ModelProfile, options: PlanOptions, sharding: Sharding) -> CostModel:
+    """The cost model `options` describe, for plans of this `sharding`."""
+    return CostModel(
+        topology,
+        profile,
+        options.efficiency,
+        options.dp_overlap,
+        sharding,
+        options.state_multiplier,
+        backend=options.backend,
+        layer_overhead_s=options.layer_overhead_s,
+        optimizer_s_per_gb=options.optimizer_s_per_gb,
+        latency_s=options.latency_s,
+        fsdp_layer_s=options.fsdp_layer_s,
+        fsdp_reshard_layer_s=options.fsdp_reshard_layer_s,
+        fsdp_optimizer_layer_s=options.fsdp_optimizer_layer_s,
+    )
+
+
 def plan(
     topology: Topology,
     profile: ModelProfile,
@@ -113,21 +132,7 @@ def plan(
     candidates = []
     shared: dict[tuple, RangeCosts] = {}
     for i, sharding in enumerate(shardings):  # FSDP first: replicas win only when strictly faster
-        cost = CostModel(
-            topology,
-            profile,
-            options.efficiency,
-            options.dp_overlap,
-            sharding,
-            options.state_multiplier,
-            backend=options.backend,
-            layer_overhead_s=options.layer_overhead_s,
-            optimizer_s_per_gb=options.optimizer_s_per_gb,
-            latency_s=options.latency_s,
-            fsdp_layer_s=options.fsdp_layer_s,
-            fsdp_reshard_layer_s=options.fsdp_reshard_layer_s,
-            fsdp_optimizer_layer_s=options.fsdp_optimizer_layer_s,
-        )
+        cost = cost_model(topology, profile, options, sharding)
         for j, (layout, stage_hardware) in enumerate(zip(layouts, hardware, strict=True)):
             if options.sharding is Sharding.auto and _dominated(sharding, layout, options):
                 continue
