@@ -3,8 +3,9 @@
 In one process, alone (HolmesStrategy's rank 0 at job start, or the benchmark before its runs), on one copy of each
 distinct pipeline layer (a layer on the meta device gets a full copy on the device, one at a time):
 
-- forward + backward at `FIT_SAMPLES` samples: the slope is the time per sample (the profile's FLOPs over it: the
-  device's FLOP/s on this model), what is left at zero samples the fixed cost of a pass;
+- forward + backward at 1 sample and at the first of 4, 8, ... samples that takes `SLOPE_RATIO` x as long (a small
+  layer's time per sample hides in the noise of its fixed cost otherwise): the slope is the time per sample (the
+  profile's FLOPs over it: the device's FLOP/s on this model), what is left at zero samples the fixed cost of a pass;
 - the same under FSDP2 on a group of one rank, the weights kept gathered with no gradient sync (a pipeline's
   micro-batches) and freed after forward with it (pp=1): FSDP's hooks per layer and pass;
 - one fused AdamW step (the recipe's optimizer) over the plain and over the FSDP (DTensor) parameters.
@@ -40,11 +41,13 @@ from torch.distributed.fsdp import fully_shard
 from holmes_lightning.planner import ModelProfile, PlanOptions
 from holmes_lightning.processes import free_port
 
-FIT_SAMPLES = (1, 4)  # forward + backward is timed at these sample counts
+FIT_SAMPLES = (1, 4)  # forward + backward is timed at 1 sample and at 4 or, for a small layer, a multiple of it
+SLOPE_RATIO = 1.5  # the larger count's pass takes at least this x the 1-sample one's, so its slope is measurable
+MAX_SLOPE_BYTES = 64 * 2**20  # the larger count's output stays below this (doubling stops at it)
 HANDOFF_ROUNDS = 20
 HANDOFF_BURST_S = 2e-3  # CPU seconds a rank computes between hand-offs: a micro-batch's work on a lab rank
 CACHE_ENV = "HOLMES_CALIBRATION_DIR"
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -196,7 +199,7 @@ def _cache_key(layers: Sequence[nn.Module], sample: torch.Tensor, device: torch.
         "device": device_name(device),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "samples": FIT_SAMPLES,
+        "samples": [FIT_SAMPLES, SLOPE_RATIO, MAX_SLOPE_BYTES],
         "sample": [list(sample.shape[1:]), str(sample.dtype)],
         "layers": [_signature(layer) for layer in layers],
     }
@@ -265,10 +268,10 @@ def _time_layer(
         fully_shard(wrapped, mesh=mesh, reshard_after_forward=reshard)
     kept.set_requires_gradient_sync(False)  # a pipeline's micro-batches: gradients accumulate, weights stay gathered
     kept.set_reshard_after_backward(False)
-    inputs = {n: x.expand(n, *x.shape[1:]).contiguous() for n in FIT_SAMPLES}
+    few, many = FIT_SAMPLES[0], _slope_samples(plain, x, device)
+    inputs = {n: x.expand(n, *x.shape[1:]).contiguous() for n in (few, many)}
     runs: dict[str, list[float]] = {name: [] for name in ("few", "many", "kept", "resharded", "adam", "adam_fsdp")}
-    optimizers = {id(net): torch.optim.AdamW(net.parameters(), lr=1e-6, fused=True) for net in (plain, resharded)}
-    few, many = FIT_SAMPLES
+    optimizers = {id(net): _adamw(net) for net in (plain, resharded)}
     for _ in range(repeats + 1):  # the first round warms up allocator and kernels
         runs["few"].append(_pass_s(plain, inputs[few], device))
         runs["many"].append(_pass_s(plain, inputs[many], device))
@@ -291,6 +294,22 @@ def _time_layer(
         ),
         out.detach(),
     )
+
+
+def _slope_samples(net: nn.Module, x: torch.Tensor, device: torch.device) -> int:
+    """The sample count to time beside 1 sample: `FIT_SAMPLES[1]`, doubled while its pass takes less than
+    `SLOPE_RATIO` x the 1-sample pass's and its output stays under `MAX_SLOPE_BYTES`."""
+
+    def fastest_s(samples: int) -> float:
+        inputs = x.expand(samples, *x.shape[1:]).contiguous()
+        return min(_pass_s(net, inputs, device) for _ in range(3))
+
+    with torch.no_grad():
+        sample_bytes = net(x).nbytes
+    one_s, many = fastest_s(1), FIT_SAMPLES[1]
+    while 2 * many * sample_bytes <= MAX_SLOPE_BYTES and fastest_s(many) < SLOPE_RATIO * one_s:
+        many *= 2
+    return many
 
 
 def _copy_on(layer: nn.Module, device: torch.device) -> nn.Module:
@@ -316,7 +335,15 @@ def _pass_s(net: nn.Module, inputs: torch.Tensor, device: torch.device) -> float
     return time.perf_counter() - start
 
 
-def _step_s(optimizer: torch.optim.Optimizer, device: torch.device) -> float:
+def _adamw(net: nn.Module) -> torch.optim.Optimizer | None:
+    """The recipe's optimizer over `net`; None for a layer without parameters (an activation, a reshape)."""
+    params = [p for p in net.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=1e-6, fused=True) if params else None
+
+
+def _step_s(optimizer: torch.optim.Optimizer | None, device: torch.device) -> float:
+    if optimizer is None:
+        return 0.0
     _synchronize(device)
     start = time.perf_counter()
     optimizer.step()

@@ -7,6 +7,7 @@ import pytest
 
 from holmes_lightning.bench.calibrate import Calibration, calibrate, profile_gpt
 from holmes_lightning.bench.config import VARIANTS, BenchSettings
+from holmes_lightning.bench.overhead import OverheadRun, pair_ratios
 from holmes_lightning.bench.report import draw, markdown, regime, targets, write_json
 from holmes_lightning.bench.runner import summarize
 from holmes_lightning.bench.variants import REFERENCE, Hardware, plan_variants
@@ -60,6 +61,16 @@ def test_every_variant_is_planned_and_reported(tmp_path, saved_figures):
 def test_bad_settings_name_the_field():
     with pytest.raises(ConfigError, match="bench.variants"):
         BenchSettings(variants=["holmes", "fsdp"])
+    with pytest.raises(ConfigError, match="bench.repeats"):
+        BenchSettings(kind="overhead", variants=["plain", "holmes"], repeats=0)
+
+
+def test_the_overhead_ratio_pairs_the_runs_that_ran_next_to_each_other():
+    def run(variant: str, repeat: int, tokens_per_s: float) -> OverheadRun:
+        return OverheadRun(variant, repeat, (1.0,), 1.0, 0.0, tokens_per_s)
+
+    runs = [run("plain", 0, 100.0), run("holmes", 0, 99.0), run("plain", 1, 50.0), run("holmes", 1, 51.0)]
+    assert pair_ratios([*runs, run("plain", 2, 10.0)]) == [0.99, 1.02]  # an unfinished pair counts for nothing
 
 
 @pytest.mark.slow

@@ -88,6 +88,17 @@ def test_layers_on_the_meta_device_are_timed_on_real_copies(tmp_path, monkeypatc
     assert all(p.is_meta for layer in layers for p in layer.parameters())  # the model itself stays unallocated
 
 
+def test_layers_without_parameters_are_timed_and_small_layers_on_more_samples(tmp_path, monkeypatch):
+    """The README's MLP has ReLU layers (nothing for an optimizer); its Linear layers are so small that their time per
+    sample hides in the fixed cost of a pass at 4 samples, so they are timed on more."""
+    monkeypatch.setenv(calibration.CACHE_ENV, str(tmp_path))
+    layers = [nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10)]
+    measured = calibration.measure(layers, torch.randn(1, 32), device=torch.device("cpu"), repeats=1)
+    assert measured.optimizer_s > 0 and measured.per_sample_s >= 0
+    tiny = nn.Linear(3, 4)
+    assert calibration._slope_samples(tiny, torch.randn(1, 3), torch.device("cpu")) > calibration.FIT_SAMPLES[1]
+
+
 @pytest.mark.slow
 def test_the_latency_of_local_ranks_is_measured_in_processes_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv(calibration.CACHE_ENV, str(tmp_path))

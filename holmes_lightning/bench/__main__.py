@@ -1,6 +1,7 @@
-"""`python -m holmes_lightning.bench [bench=short|full|memory] [bench.variants=[...]]`: every variant, one run.
+"""`python -m holmes_lightning.bench [bench=short|full|memory|overhead] [bench.variants=[...]]`: every variant, one run.
 
-`bench=memory` measures each rank's peak memory next to the planner's estimate instead (`bench.memory`).
+`bench=memory` measures each rank's peak memory next to the planner's estimate instead (`bench.memory`);
+`bench=overhead` HolmesStrategy on one device against plain Lightning (`bench.overhead`).
 
 `bench=short` (default, README) takes about 3 minutes on 2 idle cores, `bench=full` (wider model, larger batch,
 8 measured steps) about 8; most of it is process start-up and the flat baselines' slow steps. Needs root for the
@@ -29,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from holmes_lightning.bench.config import BenchJobConfig, register_bench_configs
 from holmes_lightning.bench.memory import run_memory_bench
+from holmes_lightning.bench.overhead import run_overhead_bench
 from holmes_lightning.bench.report import draw, markdown, regime, write_json
 from holmes_lightning.bench.runner import run_bench
 from holmes_lightning.config import register_configs
@@ -47,6 +49,11 @@ def run(config: BenchJobConfig, out_dir: Path) -> Path:
         print(table)
         print(f"bench: wrote {out_dir / 'memory.md'}, memory.json and memory.png")
         return out_dir / "memory.md"
+    if settings.kind == "overhead":
+        _, table = run_overhead_bench(settings, out_dir)
+        print(table)
+        print(f"bench: wrote {out_dir / 'overhead.md'}, overhead.json and overhead.png")
+        return out_dir / "overhead.md"
     results, context = run_bench(hybrid, settings, config.strategy, out_dir)
     model = settings.model
     context.update(

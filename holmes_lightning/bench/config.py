@@ -12,7 +12,8 @@ from holmes_lightning.topology.spec import ClusterSpec
 
 VARIANTS = ("holmes_hybrid", "holmes_homogeneous", "fsdp", "ddp", "nic_unaware", "holmes_unequal", "uniform_unequal")
 MEMORY_VARIANTS = ("memory_fsdp", "memory_replicas", "memory_eager")
-KINDS = {"speed": VARIANTS, "memory": MEMORY_VARIANTS}
+OVERHEAD_VARIANTS = ("plain", "holmes")
+KINDS = {"speed": VARIANTS, "memory": MEMORY_VARIANTS, "overhead": OVERHEAD_VARIANTS}
 
 
 @dataclass
@@ -20,7 +21,8 @@ class BenchSettings:
     """One benchmark size: the model, batch and steps every variant runs, and how the cost model is calibrated.
 
     `kind`: "speed" (step times in the lab, `VARIANTS`) or "memory" (each rank's peak memory next to the planner's
-    estimate, on loopback, `MEMORY_VARIANTS`).
+    estimate, on loopback, `MEMORY_VARIANTS`) or "overhead" (HolmesStrategy on one device against plain Lightning,
+    alternated `repeats` times, `bench.overhead`).
 
     `slow_cluster` runs its NIC at `slow_nic_gbps` in the unequal-clusters topology (auto vs uniform partition).
     `bandwidth_scale` None: chosen from this CPU as `lab.scale` does, once, for every variant. What Holmes plans
@@ -41,6 +43,7 @@ class BenchSettings:
     corpus_bytes: int = 400_000
     trace: bool = False
     timeout_s: float = 600.0
+    repeats: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -61,6 +64,8 @@ class BenchSettings:
             raise ConfigError(f"bench.bandwidth_scale={self.bandwidth_scale!r}: must be > 0, or null to choose one")
         if not self.slow_nic_gbps > 0:
             raise ConfigError(f"bench.slow_nic_gbps={self.slow_nic_gbps!r}: must be > 0, e.g. 50")
+        if self.repeats < 1:
+            raise ConfigError(f"bench.repeats={self.repeats!r}: must be >= 1")
         if self.calibration_repeats < 1:
             raise ConfigError(f"bench.calibration_repeats={self.calibration_repeats!r}: must be >= 1")
 

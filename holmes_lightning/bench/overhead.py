@@ -1,0 +1,222 @@
+"""`python -m holmes_lightning.bench bench=overhead`: HolmesStrategy on one device against plain Lightning.
+
+Method: the recipe's GPT in `bench.model`'s shape trains on the byte corpus at `bench.global_batch` sequences per
+step, on one CPU process of one thread, once under Lightning's default strategy for one device and once under
+`HolmesStrategy(pp=1, dp=1)` on a cluster of that one device (calibrating at start, as a user's job does). Each run is
+its own process (`python -m holmes_lightning.bench.overhead RUN.json`); the two alternate `bench.repeats` times, so
+that whatever else slows the machine meanwhile hits both. Per run: the median of the steps after the warm-up ones
+(seconds between consecutive ends of a training step: data loading, forward, backward, optimizer, every hook), and
+its start-up (from the Trainer's `setup` to the first step: Holmes profiles, calibrates and plans there). The first
+Holmes run calibrates into an empty cache, the later ones read it, so the start-ups show both costs.
+
+Target: Holmes' tokens/s >= `TARGET` x plain Lightning's (the median over the repeats of each pair's ratio).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import matplotlib
+from lightning.pytorch.callbacks import Callback
+
+from holmes_lightning.bench.calibrate import gpt
+from holmes_lightning.bench.config import BenchSettings
+from holmes_lightning.bench.worker import StepTimer
+from holmes_lightning.calibration import CACHE_ENV
+from holmes_lightning.config import ModelConfig
+from holmes_lightning.recipes import ByteCorpusDataModule
+from holmes_lightning.runtime import HolmesStrategy
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+TARGET = 0.98
+LABELS = {"plain": "plain Lightning, one device", "holmes": "HolmesStrategy pp=1 x dp=1"}
+ONE_DEVICE = {
+    "name": "one_device",
+    "devices_per_node": 1,
+    "clusters": [{"name": "local", "nodes": 1, "nic": {"kind": "ethernet", "gbps": 100}}],
+}
+
+
+@dataclass(frozen=True)
+class OverheadRun:
+    """One process's run: its median step after warm-up, its start-up, and its tokens/s."""
+
+    variant: str
+    repeat: int
+    step_s: tuple[float, ...]
+    median_s: float
+    startup_s: float
+    tokens_per_s: float
+
+
+class StartupTimer(Callback):
+    """Seconds from the Trainer's `setup` (before the strategy profiles, calibrates and plans) to the first step."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._start = 0.0
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_start(self, trainer: L.Trainer, _module: L.LightningModule, _batch: Any, index: int) -> None:
+        if index == 0:
+            self.seconds = time.perf_counter() - self._start
+
+
+def train_once(spec: dict) -> dict:
+    """One run in this process: the GPT for the spec's steps under its variant; its step and start-up seconds."""
+    L.seed_everything(spec["seed"], workers=True)
+    model_config = ModelConfig(**spec["model"])
+    holmes = spec["variant"] == "holmes"
+    strategy = HolmesStrategy(cluster=ONE_DEVICE, global_batch=spec["global_batch"], pp=1, dp=1) if holmes else "auto"
+    timer, startup = StepTimer(spec["variant"], spec["steps"], None, Path()), StartupTimer()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=spec["steps"],
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer, startup],
+    )
+    data = ByteCorpusDataModule(
+        seq_len=model_config.seq_len,
+        global_batch=spec["global_batch"],
+        corpus_bytes=spec["corpus_bytes"],
+        seed=spec["seed"],
+    )
+    trainer.fit(gpt(model_config), datamodule=data)
+    return {"step_s": timer.seconds, "startup_s": startup.seconds}
+
+
+def run_once(variant: str, repeat: int, settings: BenchSettings, out_dir: Path) -> OverheadRun:
+    """One variant's run in a fresh single-thread process; Holmes' calibration cache lives in `out_dir`."""
+    folder = out_dir / f"{variant}_{repeat}"
+    folder.mkdir(parents=True, exist_ok=True)
+    spec = {
+        "variant": variant,
+        "model": asdict(settings.model),
+        "global_batch": settings.global_batch,
+        "steps": settings.steps,
+        "corpus_bytes": settings.corpus_bytes,
+        "seed": 1234,
+    }
+    (folder / "spec.json").write_text(json.dumps(spec, indent=1))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", CACHE_ENV: str((out_dir / "calibration").resolve())}
+    command = [sys.executable, "-m", "holmes_lightning.bench.overhead", str((folder / "spec.json").resolve())]
+    subprocess.run(command, env=env, check=True, timeout=settings.timeout_s)
+    result = json.loads((folder / "result.json").read_text())
+    measured = tuple(result["step_s"][settings.warmup_steps :])
+    median = statistics.median(measured)
+    return OverheadRun(
+        variant=variant,
+        repeat=repeat,
+        step_s=measured,
+        median_s=median,
+        startup_s=result["startup_s"],
+        tokens_per_s=settings.global_batch * settings.model.seq_len / median,
+    )
+
+
+def pair_ratios(runs: list[OverheadRun]) -> list[float]:
+    """Holmes' tokens/s over plain Lightning's, per repeat (the two runs that ran next to each other)."""
+    by_repeat: dict[int, dict[str, OverheadRun]] = {}
+    for run in runs:
+        by_repeat.setdefault(run.repeat, {})[run.variant] = run
+    return [pair["holmes"].tokens_per_s / pair["plain"].tokens_per_s for pair in by_repeat.values() if len(pair) == 2]
+
+
+def markdown(runs: list[OverheadRun], settings: BenchSettings) -> str:
+    ratios = pair_ratios(runs)
+    ratio = statistics.median(ratios)
+    model = settings.model
+    holmes_startups = [r.startup_s for r in runs if r.variant == "holmes"]
+    plain_startup = statistics.median(r.startup_s for r in runs if r.variant == "plain")
+    lines = [
+        f"# holmes-lightning overhead benchmark: {settings.name}",
+        "",
+        f"GPT {model.n_layers}x{model.d_model} (heads {model.n_heads}, seq {model.seq_len}), batch "
+        f"{settings.global_batch} sequences, {settings.warmup_steps} warm-up + {settings.measured_steps} measured "
+        f"steps per run, one CPU thread, one process per run; {LABELS['plain']} and {LABELS['holmes']} alternate "
+        f"{settings.repeats} times. Step: median seconds between consecutive ends of a training step. Start-up: "
+        f"the Trainer's setup to the first step (Holmes profiles, calibrates and plans there; its first run "
+        f"calibrates into an empty cache, later runs read the cache).",
+        "",
+        "| repeat | run | step s (median) | tokens/s | start-up s |",
+        "|---:|---|---:|---:|---:|",
+    ]
+    for r in runs:
+        lines.append(
+            f"| {r.repeat} | {LABELS[r.variant]} | {r.median_s:.4f} | {r.tokens_per_s:,.0f} | {r.startup_s:.2f} |"
+        )
+    lines += [
+        "",
+        f"Holmes / plain tokens/s per repeat: {', '.join(f'{x:.3f}' for x in ratios)}; median {ratio:.3f} "
+        f"(target >= {TARGET}: {'met' if ratio >= TARGET else 'NOT met'}).",
+        f"Start-up: plain {plain_startup:.2f} s; Holmes {holmes_startups[0]:.2f} s calibrating, "
+        f"{statistics.median(holmes_startups[1:] or holmes_startups):.2f} s with the cached calibration.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def draw(path: Path, runs: list[OverheadRun]) -> None:
+    """Tokens/s of every run in the order they ran, Holmes' next to plain Lightning's."""
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for variant in LABELS:
+        mine = [(i, r.tokens_per_s) for i, r in enumerate(runs) if r.variant == variant]
+        ax.bar([i for i, _ in mine], [t for _, t in mine], label=LABELS[variant])
+    ax.set_xticks(range(len(runs)), [f"{r.variant}\n#{r.repeat}" for r in runs], fontsize=8)
+    ax.set_ylabel("tokens/s (median step)")
+    ax.set_title(f"Strategy overhead on one device: Holmes / plain = {statistics.median(pair_ratios(runs)):.3f}")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run_overhead_bench(settings: BenchSettings, out_dir: Path) -> tuple[list[OverheadRun], str]:
+    """Alternate plain Lightning and Holmes `settings.repeats` times; write overhead.md, overhead.json, overhead.png."""
+    runs = []
+    for repeat in range(settings.repeats):
+        for variant in LABELS:
+            print(f"bench overhead [{repeat + 1}/{settings.repeats}] {LABELS[variant]}", flush=True)
+            runs.append(run_once(variant, repeat, settings, out_dir))
+            print(f"  median step {runs[-1].median_s:.4f} s, start-up {runs[-1].startup_s:.2f} s", flush=True)
+    table = markdown(runs, settings)
+    (out_dir / "overhead.md").write_text(table)
+    ratios = pair_ratios(runs)
+    data = {
+        "bench": settings.name,
+        "model": asdict(settings.model),
+        "global_batch": settings.global_batch,
+        "runs": [asdict(r) for r in runs],
+        "ratios": ratios,
+        "ratio": statistics.median(ratios),
+        "target": TARGET,
+        "met": statistics.median(ratios) >= TARGET,
+    }
+    (out_dir / "overhead.json").write_text(json.dumps(data, indent=1))
+    draw(out_dir / "overhead.png", runs)
+    return runs, table
+
+
+if __name__ == "__main__":
+    spec_path = Path(sys.argv[1])
+    result = train_once(json.loads(spec_path.read_text()))
+    (spec_path.parent / "result.json").write_text(json.dumps(result))
