@@ -7,11 +7,13 @@ import pytest
 
 from holmes_lightning.bench.calibrate import Calibration, calibrate, profile_gpt
 from holmes_lightning.bench.config import VARIANTS, BenchSettings
+from holmes_lightning.bench.load import CpuClock
 from holmes_lightning.bench.overhead import OverheadRun, pair_ratios
 from holmes_lightning.bench.report import draw, markdown, regime, targets, write_json
 from holmes_lightning.bench.runner import summarize
 from holmes_lightning.bench.variants import REFERENCE, Hardware, plan_variants
 from holmes_lightning.config import ConfigError, ModelConfig
+from holmes_lightning.measure import available_cores
 from holmes_lightning.planner import PlanOptions
 from holmes_lightning.topology import Topology
 
@@ -34,7 +36,7 @@ def test_every_variant_is_planned_and_reported(tmp_path, saved_figures):
 
     steps = settings.warmup_steps + settings.measured_steps
     per_rank = {v.name: [[v.plan.prediction.total_s] * steps] * 4 for v in variants}  # runs exactly as predicted
-    results = [summarize(v, per_rank[v.name], settings, profile) for v in variants]
+    results = [summarize(v, per_rank[v.name], settings=settings, profile=profile, foreign_load=0.0) for v in variants]
     check = regime(variants, profile, settings.global_batch)
     assert check["gradient_to_boundary"] > 5
     context = {"calibration": vars(calibration), "variants": variants, "bench": "test", "model": "m"}
@@ -86,3 +88,14 @@ def test_a_lab_rank_is_calibrated_on_the_benchmark_gpt(tmp_path, monkeypatch):
     assert calibration.layer_overhead_s == pytest.approx(per_layer)
     assert calibration.latency_s > 0  # two ranks started for it
     assert (calibration.bandwidth_scale, calibration.scale_reason) == (1e-3, "bench.bandwidth_scale")
+
+
+def test_other_work_is_the_machine_busy_time_the_bench_did_not_spend():
+    before = CpuClock(wall_s=100.0, busy_s=50.0, ours_s=10.0)
+    assert before.foreign_share(CpuClock(wall_s=110.0, busy_s=65.0, ours_s=20.0)) == pytest.approx(
+        5.0 / (10.0 * available_cores())
+    )
+    assert before.foreign_share(CpuClock(wall_s=110.0, busy_s=55.0, ours_s=20.0)) == 0.0  # never below nothing
+    assert before.foreign_share(before) == 0.0
+    now = CpuClock.now()
+    assert now.busy_s > 0 and now.ours_s > 0

@@ -13,14 +13,16 @@ emulated network: Holmes on the hybrid cluster, on its homogeneous limit (`Topol
 NIC-unaware (Megatron, all-TCP) layout; Lightning's FSDP2 (ModelParallelStrategy) and DDPStrategy over all ranks;
 Holmes with auto and with uniform partition on the cluster with one slower NIC. Per step the slowest rank's time
 counts; warm-up steps are dropped; the median is reported. The prediction next to each run is the planner's, on
-the lab's hardware: a rank's speed per sample, fixed cost per pass and AdamW step measured in one process (see
-`bench.calibrate`), every link at its configured speed x the bandwidth scale the lab shapes it with.
+the lab's hardware: a rank's costs measured on this machine at the start of the run (`holmes_lightning.calibration`,
+kept in the run directory unless HOLMES_CALIBRATION_DIR says otherwise), every link at its configured speed x the
+bandwidth scale the lab shapes it with. Each run also reports the share of the machine's cores other work took.
 `bench.trace=true` writes a torch profiler trace per rank of the first measured step. Writes results.md,
 results.json and results.png into the run directory (outputs/bench/<time>/) and prints the table.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -32,7 +34,8 @@ from holmes_lightning.bench.config import BenchJobConfig, register_bench_configs
 from holmes_lightning.bench.memory import run_memory_bench
 from holmes_lightning.bench.overhead import run_overhead_bench
 from holmes_lightning.bench.report import draw, markdown, regime, write_json
-from holmes_lightning.bench.runner import run_bench
+from holmes_lightning.bench.runner import measure_model, run_bench
+from holmes_lightning.calibration import CACHE_ENV
 from holmes_lightning.config import register_configs
 from holmes_lightning.topology import Topology, config_dir
 
@@ -54,7 +57,8 @@ def run(config: BenchJobConfig, out_dir: Path) -> Path:
         print(table)
         print(f"bench: wrote {out_dir / 'overhead.md'}, overhead.json and overhead.png")
         return out_dir / "overhead.md"
-    results, context = run_bench(hybrid, settings, config.strategy, out_dir)
+    measured = measure_model(hybrid, settings, settings.model)
+    results, context = run_bench(hybrid, settings, requested=config.strategy, out_dir=out_dir, measured=measured)
     model = settings.model
     context.update(
         bench=settings.name,
@@ -78,7 +82,9 @@ def _hydra_main(cfg: DictConfig) -> None:
         config: BenchJobConfig = OmegaConf.to_object(cfg)
     except ValueError as err:  # ConfigError from the schema's checks
         sys.exit(f"bench: {err}")
-    run(config, Path(HydraConfig.get().runtime.output_dir))
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    os.environ.setdefault(CACHE_ENV, str(out_dir / "calibration"))  # measured now, as the runs will be
+    run(config, out_dir)
 
 
 if __name__ == "__main__":

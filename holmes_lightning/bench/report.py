@@ -13,6 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from holmes_lightning.bench.runner import RunResult  # noqa: E402
 from holmes_lightning.bench.variants import REFERENCE, Variant  # noqa: E402
+from holmes_lightning.calibration import Calibration  # noqa: E402
 from holmes_lightning.planner import ModelProfile  # noqa: E402
 
 MB = 1e6
@@ -82,28 +83,24 @@ def _verdict(ok: bool | None) -> str:
 
 def markdown(results: list[RunResult], context: dict, check: dict) -> str:
     reference = next((r.median_s for r in results if r.name == REFERENCE), None)
-    cal = context["calibration"]
     lines = [
         f"# holmes-lightning benchmark: {context['bench']}",
         "",
         f"Model {context['model']}, global batch {context['global_batch']} sequences, {context['steps']}; "
-        f"lab bandwidth scale {cal['bandwidth_scale']:.3g} ({cal['scale_reason']}); cost model per rank: "
-        f"{cal['device_tflops'] * 1e3:.2f} GFLOP/s per sample + {cal['layer_overhead_s'] * 1e3:.2f} ms per layer "
-        f"and micro-batch, optimizer {cal['optimizer_s_per_gb']:.3g} s/GB (one process: {cal['gflops']:.2f} "
-        f"GFLOP/s + {cal['pass_overhead_s'] * 1e3:.1f} ms per pass, AdamW {cal['optimizer_s'] * 1e3:.1f} ms; x "
-        f"{cal['share']:g} core share).",
+        f"cost model per rank: {Calibration(**context['calibration']).describe()}.",
         "",
         format_regime(check),
         "",
         "| run | network | layout | step s (median) | tokens/s | TFLOPS/device | step / Holmes-hybrid's "
-        "| predicted s | predicted / measured |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "| predicted s | predicted / measured | other work (of the cores) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         versus = f"{r.median_s / reference:.2f}" if reference else "-"
         lines.append(
             f"| {r.label} | {r.network} | {r.layout} | {r.median_s:.3f} | {r.tokens_per_s:,.0f} | "
-            f"{r.tflops_per_device:.2e} | {versus} | {r.predicted_s:.3f} | {r.predicted_s / r.median_s:.2f} |"
+            f"{r.tflops_per_device:.2e} | {versus} | {r.predicted_s:.3f} | {r.predicted_s / r.median_s:.2f} | "
+            f"{r.foreign_load:.0%} |"
         )
     lines += ["", "| target | value | needed | verdict |", "|---|---:|---:|---|"]
     for t in targets(results):
