@@ -9,8 +9,8 @@ from holmes_lightning.bench.calibrate import Calibration, calibrate, profile_gpt
 from holmes_lightning.bench.config import VARIANTS, BenchSettings
 from holmes_lightning.bench.load import CpuClock
 from holmes_lightning.bench.overhead import OverheadRun, pair_ratios
-from holmes_lightning.bench.report import draw, markdown, regime, targets, write_json
-from holmes_lightning.bench.runner import summarize
+from holmes_lightning.bench.report import Target, draw, markdown, regime, targets, write_json
+from holmes_lightning.bench.runner import RunResult, summarize
 from holmes_lightning.bench.variants import REFERENCE, Hardware, plan_variants
 from holmes_lightning.config import ConfigError, ModelConfig
 from holmes_lightning.measure import available_cores
@@ -40,13 +40,13 @@ def test_every_variant_is_planned_and_reported(tmp_path, saved_figures):
     check = regime(variants, profile, settings.global_batch)
     assert check["gradient_to_boundary"] > 5
     context = {"calibration": vars(calibration), "variants": variants, "bench": "test", "model": "m"}
-    context.update(global_batch=8, steps="1 + 1")
+    context.update(global_batch=8, steps="1 + 1", prediction_tolerance=0.15)
     table = markdown(results, context, check)
     assert all(v.label in table for v in variants) and "| predicted / measured within 15% | 7/7 runs" in table
     measured = {t.name: t.value for t in targets(results)}
     hybrid = plans["holmes_hybrid"].prediction.total_s
     assert measured["Holmes hybrid / FSDPStrategy"] == pytest.approx(plans["fsdp"].prediction.total_s / hybrid)
-    write_json(tmp_path / "r.json", results, context, check)
+    write_json(tmp_path / "r.json", results, context=context, check=check)
     assert len(json.loads((tmp_path / "r.json").read_text())["runs"]) == 7
 
     drawn = [replace(r, median_s=r.median_s * (1 + i / 10)) for i, r in enumerate(results)]  # unlike the predictions
@@ -88,6 +88,52 @@ def test_a_lab_rank_is_calibrated_on_the_benchmark_gpt(tmp_path, monkeypatch):
     assert calibration.layer_overhead_s == pytest.approx(per_layer)
     assert calibration.latency_s > 0  # two ranks started for it
     assert (calibration.bandwidth_scale, calibration.scale_reason) == (1e-3, "bench.bandwidth_scale")
+
+
+@pytest.mark.parametrize(
+    ("target", "met"),
+    [
+        (Target("t", "a", "b", value=None, minimum=1.0), None),  # a run missing: no verdict
+        (Target("t", "a", "b", value=0.97, minimum=0.97), True),
+        (Target("t", "a", "b", value=0.969, minimum=0.97), False),
+        (Target("t", "a", "b", value=1.09, expected=1.0, tolerance=0.1), True),
+        (Target("t", "a", "b", value=0.91, expected=1.0, tolerance=0.1), True),
+        (Target("t", "a", "b", value=0.89, expected=1.0, tolerance=0.1), False),
+        (Target("t", "a", "b", value=1.25, expected=1.14, tolerance=0.1), True),
+        (Target("t", "a", "b", value=1.26, expected=1.14, tolerance=0.1), False),
+        (Target("t", "a", "b", value=1.5, minimum=1.2, expected=1.4, tolerance=0.1), True),
+        (Target("t", "a", "b", value=1.3, minimum=1.35, expected=1.4, tolerance=0.1), False),  # in range, too low
+    ],
+)
+def test_a_target_is_met_above_its_minimum_and_within_its_tolerance(target, met):
+    assert target.met is met
+    assert target.needed != "-"
+
+
+def test_with_a_reference_the_targets_are_the_reference_ratios():
+    def result(name: str, median_s: float) -> RunResult:
+        return RunResult(
+            name=name,
+            label=name,
+            strategy="holmes",
+            network="net",
+            layout="layout",
+            step_s=(median_s,),
+            median_s=median_s,
+            tokens_per_s=1.0,
+            tflops_per_device=1.0,
+            predicted_s=median_s,
+            predicted={},
+        )
+
+    measured = [result("holmes_hybrid", 2.0), result("holmes_homogeneous", 1.98), result("fsdp", 2.5)]
+    check = {"reference": "paper", "reference_ratios": {"fsdp": 1.14, "nic_unaware": 1.02}}
+    by_run = {t.slower: t for t in targets(measured, check)}
+    assert by_run["holmes_homogeneous"].minimum == 0.97 and by_run["holmes_homogeneous"].met is True
+    assert by_run["fsdp"].value == pytest.approx(1.25) and by_run["fsdp"].met is True  # 1.25 / 1.14 = 1.096
+    assert by_run["nic_unaware"].met is None  # not run
+    short = {t.slower: t for t in targets(measured)}
+    assert short["holmes_homogeneous"].minimum == 0.90 and short["fsdp"].met is False  # short bench: >= 3x
 
 
 def test_other_work_is_the_machine_busy_time_the_bench_did_not_spend():
