@@ -115,7 +115,9 @@ def test_bad_match_settings_name_the_field(overrides, field):
     ("overrides", "field"),
     [
         ({"prediction_tolerance": 0.0}, "bench.prediction_tolerance"),
-        ({"kind": "memory"}, "bench.variants"),  # the speed runs' names are not memory runs
+        ({"kind": "regret", "variants": ["two_cluster_mixed", "no_such_cluster"]}, "bench.variants"),
+        ({"kind": "regret"}, "bench.variants"),  # the speed runs' names are not clusters
+        ({"kind": "memory"}, "bench.variants"),  # nor memory runs
         ({"kind": "latency"}, "bench.kind"),
     ],
 )

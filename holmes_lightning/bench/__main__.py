@@ -1,9 +1,10 @@
-"""`python -m holmes_lightning.bench [bench=short|full|paper_regime|memory|overhead] [bench.variants=[...]]`.
+"""`python -m holmes_lightning.bench [bench=short|full|paper_regime|regret|memory|overhead] [bench.variants=[...]]`.
 
 `bench=short` (default, README) takes about 4 minutes on 2 idle cores, `bench=full` (wider model, larger batch, 8
 measured steps) about 8; most of it is process start-up and the flat baselines' slow steps. `bench=paper_regime` (about
 10) derives its job from the planner's prediction for the paper's setting (`bench.regime`) and adds Holmes with the
-planner's free choice; `bench=memory` measures each rank's peak memory next to the planner's estimate (`bench.memory`),
+planner's free choice; `bench=regret` (about 7) measures every configuration of a small job against the planner's
+choice (`bench.regret`); `bench=memory` each rank's peak memory next to the planner's estimate (`bench.memory`);
 `bench=overhead` HolmesStrategy on one device against plain Lightning (`bench.overhead`). Needs root for the lab's
 namespaces (without, links are not shaped and it says so). Holmes runs at pp=2 (`strategy.pp`), the degrees the paper
 compares at; `strategy.pp=null` lets the planner choose.
@@ -35,6 +36,7 @@ from holmes_lightning.bench.config import BenchJobConfig, register_bench_configs
 from holmes_lightning.bench.memory import run_memory_bench
 from holmes_lightning.bench.overhead import run_overhead_bench
 from holmes_lightning.bench.regime import derive
+from holmes_lightning.bench.regret import run_regret_bench
 from holmes_lightning.bench.report import draw, markdown, regime, write_json
 from holmes_lightning.bench.runner import measure_model, run_bench
 from holmes_lightning.calibration import CACHE_ENV
@@ -59,6 +61,11 @@ def run(config: BenchJobConfig, out_dir: Path) -> Path:
         print(table)
         print(f"bench: wrote {out_dir / 'overhead.md'}, overhead.json and overhead.png")
         return out_dir / "overhead.md"
+    if settings.kind == "regret":
+        _, table = run_regret_bench(settings, config.strategy, out_dir)
+        print(table)
+        print(f"bench: wrote {out_dir / 'regret.md'}, regret.json and regret.png")
+        return out_dir / "regret.md"
     derived = None
     if settings.match is not None:
         derived = derive(

@@ -8,13 +8,19 @@ from hydra.core.config_store import ConfigStore
 
 from holmes_lightning.config import ConfigError, ModelConfig
 from holmes_lightning.planner import PlanOptions
+from holmes_lightning.topology import shipped_cluster_names
 from holmes_lightning.topology.spec import ClusterSpec
 
 VARIANTS = ("holmes_hybrid", "holmes_homogeneous", "fsdp", "ddp", "nic_unaware", "holmes_unequal", "uniform_unequal")
 FREE_CHOICE = "holmes_free"  # Holmes with no degree, partition or sharding pinned (bench=paper_regime runs it too)
 MEMORY_VARIANTS = ("memory_fsdp", "memory_replicas", "memory_eager")
 OVERHEAD_VARIANTS = ("plain", "holmes")
-KINDS = {"speed": (*VARIANTS, FREE_CHOICE), "memory": MEMORY_VARIANTS, "overhead": OVERHEAD_VARIANTS}
+KINDS = {
+    "speed": (*VARIANTS, FREE_CHOICE),
+    "memory": MEMORY_VARIANTS,
+    "overhead": OVERHEAD_VARIANTS,
+    "regret": tuple(shipped_cluster_names()),
+}
 
 
 @dataclass
@@ -66,8 +72,9 @@ class BenchSettings:
     """One benchmark size: the model, batch and steps every variant runs, and how the cost model is calibrated.
 
     `kind`: "speed" (step times in the lab, `VARIANTS` and `FREE_CHOICE`), "memory" (each rank's peak memory next to
-    the planner's estimate, on loopback, `MEMORY_VARIANTS`) or "overhead" (HolmesStrategy on one device against plain
-    Lightning, alternated `repeats` times, `bench.overhead`).
+    the planner's estimate, on loopback, `MEMORY_VARIANTS`), "overhead" (HolmesStrategy on one device against plain
+    Lightning, alternated `repeats` times, `bench.overhead`) or "regret" (every configuration of a small job on each
+    shipped cluster config named in `variants`, measured, against the planner's choice; `bench.regret`).
     `match`: derive the model, global batch and bandwidth scale from a reference setting instead (`RegimeMatch`).
     `prediction_tolerance`: how far each run's predicted step may be from the measured one.
 

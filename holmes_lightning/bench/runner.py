@@ -98,10 +98,15 @@ def launch_runs(
     return Launch(steps, foreign)
 
 
+def measured_steps(per_rank: Sequence[Sequence[float]], warmup_steps: int) -> list[float]:
+    """Per step after the warm-up, the slowest rank's seconds (a step ends when every rank has ended it)."""
+    return [max(step) for step in zip(*per_rank, strict=True)][warmup_steps:]
+
+
 def summarize(
     variant: Variant, per_rank: list[list[float]], settings: BenchSettings, profile: ModelProfile, foreign_load: float
 ) -> RunResult:
-    slowest = [max(steps) for steps in zip(*per_rank, strict=True)][settings.warmup_steps :]
+    slowest = measured_steps(per_rank, settings.warmup_steps)
     median = statistics.median(slowest)
     tokens = settings.global_batch * settings.model.seq_len
     world = variant.topology.world_size
