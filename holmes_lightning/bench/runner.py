@@ -128,11 +128,14 @@ def summarize(
     )
 
 
-def measure_model(hybrid: Topology, settings: BenchSettings, model: ModelConfig) -> tuple[ModelProfile, Calibration]:
-    """`model`'s profile and a lab rank's costs for it, measured here (at `settings.bandwidth_scale`, or this CPU's)."""
+def measure_model(
+    hybrid: Topology, settings: BenchSettings, model: ModelConfig, *, fresh: bool = False
+) -> tuple[ModelProfile, Calibration]:
+    """`model`'s profile and a lab rank's costs for it, measured here (at `settings.bandwidth_scale`, or this CPU's);
+    `fresh`: measured again even if cached."""
     profile = profile_gpt(model)
     calibration = calibrate(
-        hybrid, profile, model, repeats=settings.calibration_repeats, scale=settings.bandwidth_scale
+        hybrid, profile, model, repeats=settings.calibration_repeats, scale=settings.bandwidth_scale, fresh=fresh
     )
     print(f"bench: calibrated {model.name}: {calibration.describe()}", flush=True)
     return profile, calibration
