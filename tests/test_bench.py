@@ -9,12 +9,12 @@ from holmes_lightning.bench.calibrate import Calibration, calibrate, profile_gpt
 from holmes_lightning.bench.config import VARIANTS, BenchSettings
 from holmes_lightning.bench.load import CpuClock
 from holmes_lightning.bench.overhead import OverheadRun, pair_ratios
-from holmes_lightning.bench.report import Target, draw, markdown, regime, targets, write_json
+from holmes_lightning.bench.report import Target, draw, markdown, regime, repeated_runs, targets, write_json
 from holmes_lightning.bench.runner import RunResult, summarize
-from holmes_lightning.bench.variants import REFERENCE, Hardware, plan_variants
+from holmes_lightning.bench.variants import REFERENCE, Hardware, Variant, plan_variants
 from holmes_lightning.config import ConfigError, ModelConfig
 from holmes_lightning.measure import available_cores
-from holmes_lightning.planner import PlanOptions
+from holmes_lightning.planner import BatchSettings, PlanOptions, compare
 from holmes_lightning.topology import Topology
 
 
@@ -90,6 +90,23 @@ def test_a_lab_rank_is_calibrated_on_the_benchmark_gpt(tmp_path, monkeypatch):
     assert (calibration.bandwidth_scale, calibration.scale_reason) == (1e-3, "bench.bandwidth_scale")
 
 
+def run_result(name: str, median_s: float, network: str = "net") -> RunResult:
+    """A run of Holmes that measured `median_s` per step."""
+    return RunResult(
+        name=name,
+        label=name,
+        strategy="holmes",
+        network=network,
+        layout="pp=2 x dp=2",
+        step_s=(median_s,),
+        median_s=median_s,
+        tokens_per_s=1.0,
+        tflops_per_device=1.0,
+        predicted_s=median_s,
+        predicted={},
+    )
+
+
 @pytest.mark.parametrize(
     ("target", "met"),
     [
@@ -111,22 +128,7 @@ def test_a_target_is_met_above_its_minimum_and_within_its_tolerance(target, met)
 
 
 def test_with_a_reference_the_targets_are_the_reference_ratios():
-    def result(name: str, median_s: float) -> RunResult:
-        return RunResult(
-            name=name,
-            label=name,
-            strategy="holmes",
-            network="net",
-            layout="layout",
-            step_s=(median_s,),
-            median_s=median_s,
-            tokens_per_s=1.0,
-            tflops_per_device=1.0,
-            predicted_s=median_s,
-            predicted={},
-        )
-
-    measured = [result("holmes_hybrid", 2.0), result("holmes_homogeneous", 1.98), result("fsdp", 2.5)]
+    measured = [run_result("holmes_hybrid", 2.0), run_result("holmes_homogeneous", 1.98), run_result("fsdp", 2.5)]
     check = {"reference": "paper", "reference_ratios": {"fsdp": 1.14, "nic_unaware": 1.02}}
     by_run = {t.slower: t for t in targets(measured, check)}
     assert by_run["holmes_homogeneous"].minimum == 0.97 and by_run["holmes_homogeneous"].met is True
@@ -145,3 +147,16 @@ def test_other_work_is_the_machine_busy_time_the_bench_did_not_spend():
     assert before.foreign_share(before) == 0.0
     now = CpuClock.now()
     assert now.busy_s > 0 and now.ours_s > 0
+
+
+def test_runs_of_one_configuration_show_how_much_the_machine_varied():
+    topology = Topology.from_config("two_cluster_mixed")
+    profile = profile_gpt(ModelConfig(n_layers=4, d_model=64, n_heads=4, seq_len=16))
+    compared = compare(topology, profile, BatchSettings(8), PlanOptions(pp=2))
+    holmes, unaware = compared["holmes"], compared["nic_unaware"]
+    assert (holmes.pp, holmes.dp, holmes.layers_per_stage()) == (unaware.pp, unaware.dp, unaware.layers_per_stage())
+    plans = {"first": holmes, "elsewhere": unaware, "again": holmes}  # NIC-unaware: the same ranks, groups on TCP
+    variants = [Variant(name=name, strategy="holmes", topology=topology, plan=p) for name, p in plans.items()]
+    runs = [run_result("first", 2.0), run_result("elsewhere", 2.0), run_result("again", 2.2)]
+    (line,) = repeated_runs(runs, variants)
+    assert line.startswith("first and again ran the same configuration") and "(+10.0%)" in line

@@ -30,7 +30,7 @@ import matplotlib
 from holmes_lightning.bench.calibrate import lab_topology
 from holmes_lightning.bench.config import BenchSettings
 from holmes_lightning.bench.runner import launch_runs, measure_model, measured_steps
-from holmes_lightning.bench.variants import Variant, free_choice, lab_options
+from holmes_lightning.bench.variants import Variant, free_choice, lab_options, run_key
 from holmes_lightning.calibration import Calibration
 from holmes_lightning.planner import BatchSettings, ModelProfile, Plan, PlanError, PlanOptions, Sharding, plan
 from holmes_lightning.planner.layout import dp_degrees
@@ -138,19 +138,14 @@ def configurations(
                     except PlanError:  # the schedule needs more micro-batches, or more layers than the model has
                         continue
                     name = f"pp{planned.pp} dp{dp} mb{microbatches} {sharding} {partition}"
-                    key = _key(planned)
+                    key = run_key(planned)
                     if key in found:  # auto found the uniform split: one run, both names
                         name = f"{found[key][0]}={partition}"
                     found[key] = (name, planned)
     chosen = plan(lab, profile, BatchSettings(global_batch), free_choice(options))
-    if _key(chosen) not in found:
-        found[_key(chosen)] = (CHOICE, chosen)
-    return {name: planned for name, planned in found.values()}, found[_key(chosen)][0]
-
-
-def _key(planned: Plan) -> tuple:
-    """What the runtime runs: the ranks and layers of every stage, the micro-batches and the sharding."""
-    return (tuple((s.ranks, s.chunks) for s in planned.stages), planned.microbatches, planned.sharding)
+    if run_key(chosen) not in found:
+        found[run_key(chosen)] = (CHOICE, chosen)
+    return {name: planned for name, planned in found.values()}, found[run_key(chosen)][0]
 
 
 def measure_cluster(cluster: str, *, settings: BenchSettings, requested: PlanOptions, out_dir: Path) -> ClusterRegret:

@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from holmes_lightning.bench.regime import SHARES, Regime, communication_share, ratios, shares  # noqa: E402
 from holmes_lightning.bench.runner import RunResult  # noqa: E402
-from holmes_lightning.bench.variants import LABELS, REFERENCE, Variant  # noqa: E402
+from holmes_lightning.bench.variants import LABELS, REFERENCE, Variant, run_key  # noqa: E402
 from holmes_lightning.calibration import Calibration  # noqa: E402
 from holmes_lightning.planner import ModelProfile  # noqa: E402
 
@@ -199,9 +199,26 @@ def markdown(results: list[RunResult], context: dict, check: dict) -> str:
         f"| predicted / measured within {tolerance:.0%} | {len(results) - len(off)}/{len(results)} runs | all | "
         f"{_verdict(not off)}{' (off: ' + ', '.join(r.name for r in off) + ')' if off else ''} |"
     )
+    lines += [f"\n{line}" for line in repeated_runs(results, context["variants"])]
     if "reference" in check:
         lines += ["", *paper_comparison(results, check)]
     return "\n".join(lines) + "\n"
+
+
+def repeated_runs(results: list[RunResult], variants: list[Variant]) -> list[str]:
+    """A line per pair of runs that ran the same configuration on the same network: how far apart their medians are
+    is how much the machine itself varied during the bench."""
+    ran = {v.name: (v.strategy, v.topology.name, run_key(v.plan)) for v in variants}
+    lines = []
+    for i, first in enumerate(results):
+        for later in results[i + 1 :]:
+            if ran[first.name] == ran[later.name]:
+                lines.append(
+                    f"{first.label} and {later.label} ran the same configuration: {first.median_s:.3f} s and "
+                    f"{later.median_s:.3f} s per step ({later.median_s / first.median_s - 1:+.1%}), the machine's own "
+                    f"variation between the two runs."
+                )
+    return lines
 
 
 def paper_comparison(results: list[RunResult], check: dict) -> list[str]:

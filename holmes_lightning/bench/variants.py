@@ -67,6 +67,12 @@ def lab_options(requested: PlanOptions, calibration: Calibration) -> PlanOptions
     return calibration.plan_options(replace(requested, backend="gloo"))
 
 
+def run_key(planned: Plan) -> tuple:
+    """What the runtime runs: the ranks, layers and links of every stage, the schedule, micro-batches and sharding."""
+    stages = tuple((stage.ranks, stage.chunks, stage.dp_link, stage.send_link) for stage in planned.stages)
+    return (stages, planned.schedule, planned.microbatches, planned.sharding)
+
+
 def free_choice(options: PlanOptions) -> PlanOptions:
     """`options` with nothing pinned that the planner chooses: degrees, partition, sharding."""
     return replace(options, pp=None, dp=None, partition="auto", sharding=Sharding.auto)
