@@ -156,14 +156,16 @@ def measure(
     device: torch.device,
     repeats: int = 5,
     group: dist.ProcessGroup | None = None,
+    fresh: bool = False,
 ) -> Measurement:
-    """Time `layers` (applied in order to `sample`, samples first) on `device`, or read the cached result.
+    """Time `layers` (applied in order to `sample`, samples first) on `device`, or read the cached result (`fresh`:
+    time them anyway and cache the new result).
 
     FSDP2 runs on `group`, a group of this rank alone; None: a world of one process made for the moment (there must
     be no default group then).
     """
     path = cache_dir() / f"{_cache_key(layers, sample, device)}.json"
-    if path.is_file():
+    if path.is_file() and not fresh:
         return Measurement(**json.loads(path.read_text()))
     measured = _measure(layers, sample, device=device, repeats=repeats, group=group)
     _write(path, asdict(measured))

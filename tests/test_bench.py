@@ -7,12 +7,14 @@ import pytest
 
 from holmes_lightning.bench.calibrate import Calibration, calibrate, profile_gpt
 from holmes_lightning.bench.config import VARIANTS, BenchSettings
+from holmes_lightning.bench.load import CpuClock
 from holmes_lightning.bench.overhead import OverheadRun, pair_ratios
-from holmes_lightning.bench.report import draw, markdown, regime, targets, write_json
-from holmes_lightning.bench.runner import summarize
-from holmes_lightning.bench.variants import REFERENCE, Hardware, plan_variants
+from holmes_lightning.bench.report import Target, draw, markdown, regime, repeated_runs, targets, write_json
+from holmes_lightning.bench.runner import RunResult, summarize
+from holmes_lightning.bench.variants import REFERENCE, Hardware, Variant, plan_variants
 from holmes_lightning.config import ConfigError, ModelConfig
-from holmes_lightning.planner import PlanOptions
+from holmes_lightning.measure import available_cores
+from holmes_lightning.planner import BatchSettings, PlanOptions, compare
 from holmes_lightning.topology import Topology
 
 
@@ -34,17 +36,17 @@ def test_every_variant_is_planned_and_reported(tmp_path, saved_figures):
 
     steps = settings.warmup_steps + settings.measured_steps
     per_rank = {v.name: [[v.plan.prediction.total_s] * steps] * 4 for v in variants}  # runs exactly as predicted
-    results = [summarize(v, per_rank[v.name], settings, profile) for v in variants]
+    results = [summarize(v, per_rank[v.name], settings=settings, profile=profile, foreign_load=0.0) for v in variants]
     check = regime(variants, profile, settings.global_batch)
     assert check["gradient_to_boundary"] > 5
     context = {"calibration": vars(calibration), "variants": variants, "bench": "test", "model": "m"}
-    context.update(global_batch=8, steps="1 + 1")
+    context.update(global_batch=8, steps="1 + 1", prediction_tolerance=0.15)
     table = markdown(results, context, check)
     assert all(v.label in table for v in variants) and "| predicted / measured within 15% | 7/7 runs" in table
     measured = {t.name: t.value for t in targets(results)}
     hybrid = plans["holmes_hybrid"].prediction.total_s
     assert measured["Holmes hybrid / FSDPStrategy"] == pytest.approx(plans["fsdp"].prediction.total_s / hybrid)
-    write_json(tmp_path / "r.json", results, context, check)
+    write_json(tmp_path / "r.json", results, context=context, check=check)
     assert len(json.loads((tmp_path / "r.json").read_text())["runs"]) == 7
 
     drawn = [replace(r, median_s=r.median_s * (1 + i / 10)) for i, r in enumerate(results)]  # unlike the predictions
@@ -86,3 +88,75 @@ def test_a_lab_rank_is_calibrated_on_the_benchmark_gpt(tmp_path, monkeypatch):
     assert calibration.layer_overhead_s == pytest.approx(per_layer)
     assert calibration.latency_s > 0  # two ranks started for it
     assert (calibration.bandwidth_scale, calibration.scale_reason) == (1e-3, "bench.bandwidth_scale")
+
+
+def run_result(name: str, median_s: float, network: str = "net") -> RunResult:
+    """A run of Holmes that measured `median_s` per step."""
+    return RunResult(
+        name=name,
+        label=name,
+        strategy="holmes",
+        network=network,
+        layout="pp=2 x dp=2",
+        step_s=(median_s,),
+        median_s=median_s,
+        tokens_per_s=1.0,
+        tflops_per_device=1.0,
+        predicted_s=median_s,
+        predicted={},
+    )
+
+
+@pytest.mark.parametrize(
+    ("target", "met"),
+    [
+        (Target("t", "a", "b", value=None, minimum=1.0), None),  # a run missing: no verdict
+        (Target("t", "a", "b", value=0.97, minimum=0.97), True),
+        (Target("t", "a", "b", value=0.969, minimum=0.97), False),
+        (Target("t", "a", "b", value=1.09, expected=1.0, tolerance=0.1), True),
+        (Target("t", "a", "b", value=0.91, expected=1.0, tolerance=0.1), True),
+        (Target("t", "a", "b", value=0.89, expected=1.0, tolerance=0.1), False),
+        (Target("t", "a", "b", value=1.25, expected=1.14, tolerance=0.1), True),
+        (Target("t", "a", "b", value=1.26, expected=1.14, tolerance=0.1), False),
+        (Target("t", "a", "b", value=1.5, minimum=1.2, expected=1.4, tolerance=0.1), True),
+        (Target("t", "a", "b", value=1.3, minimum=1.35, expected=1.4, tolerance=0.1), False),  # in range, too low
+    ],
+)
+def test_a_target_is_met_above_its_minimum_and_within_its_tolerance(target, met):
+    assert target.met is met
+    assert target.needed != "-"
+
+
+def test_with_a_reference_the_targets_are_the_reference_ratios():
+    measured = [run_result("holmes_hybrid", 2.0), run_result("holmes_homogeneous", 1.98), run_result("fsdp", 2.5)]
+    check = {"reference": "paper", "reference_ratios": {"fsdp": 1.14, "nic_unaware": 1.02}}
+    by_run = {t.slower: t for t in targets(measured, check)}
+    assert by_run["holmes_homogeneous"].minimum == 0.97 and by_run["holmes_homogeneous"].met is True
+    assert by_run["fsdp"].value == pytest.approx(1.25) and by_run["fsdp"].met is True  # 1.25 / 1.14 = 1.096
+    assert by_run["nic_unaware"].met is None  # not run
+    short = {t.slower: t for t in targets(measured)}
+    assert short["holmes_homogeneous"].minimum == 0.90 and short["fsdp"].met is False  # short bench: >= 3x
+
+
+def test_other_work_is_the_machine_busy_time_the_bench_did_not_spend():
+    before = CpuClock(wall_s=100.0, busy_s=50.0, ours_s=10.0)
+    assert before.foreign_share(CpuClock(wall_s=110.0, busy_s=65.0, ours_s=20.0)) == pytest.approx(
+        5.0 / (10.0 * available_cores())
+    )
+    assert before.foreign_share(CpuClock(wall_s=110.0, busy_s=55.0, ours_s=20.0)) == 0.0  # never below nothing
+    assert before.foreign_share(before) == 0.0
+    now = CpuClock.now()
+    assert now.busy_s > 0 and now.ours_s > 0
+
+
+def test_runs_of_one_configuration_show_how_much_the_machine_varied():
+    topology = Topology.from_config("two_cluster_mixed")
+    profile = profile_gpt(ModelConfig(n_layers=4, d_model=64, n_heads=4, seq_len=16))
+    compared = compare(topology, profile, BatchSettings(8), PlanOptions(pp=2))
+    holmes, unaware = compared["holmes"], compared["nic_unaware"]
+    assert (holmes.pp, holmes.dp, holmes.layers_per_stage()) == (unaware.pp, unaware.dp, unaware.layers_per_stage())
+    plans = {"first": holmes, "elsewhere": unaware, "again": holmes}  # NIC-unaware: the same ranks, groups on TCP
+    variants = [Variant(name=name, strategy="holmes", topology=topology, plan=p) for name, p in plans.items()]
+    runs = [run_result("first", 2.0), run_result("elsewhere", 2.0), run_result("again", 2.2)]
+    (line,) = repeated_runs(runs, variants)
+    assert line.startswith("first and again ran the same configuration") and "(+10.0%)" in line

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
+
 import pytest
 import torch
 from torch import nn
@@ -77,6 +80,17 @@ def test_each_distinct_layer_is_timed_once_and_the_result_is_cached(tmp_path, mo
         [nn.Linear(6, 32), nn.Linear(32, 2)], torch.randn(4, 6), device=torch.device("cpu"), repeats=1
     )
     assert wider != measured and len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_a_fresh_measurement_times_the_layers_again_and_replaces_the_cached_one(tmp_path, monkeypatch):
+    monkeypatch.setenv(calibration.CACHE_ENV, str(tmp_path))
+    layers = stranger_layers()
+    measured = calibration.measure(layers, torch.randn(1, 6), device=torch.device("cpu"), repeats=1)
+    (cached,) = tmp_path.glob("*.json")
+    cached.write_text(json.dumps({**asdict(measured), "per_sample_s": 123.0}))  # a stale result from another time
+    assert calibration.measure(layers, torch.randn(1, 6), device=torch.device("cpu")).per_sample_s == 123.0
+    again = calibration.measure(layers, torch.randn(1, 6), device=torch.device("cpu"), repeats=1, fresh=True)
+    assert again.per_sample_s != 123.0 and json.loads(cached.read_text())["per_sample_s"] == again.per_sample_s
 
 
 def test_layers_on_the_meta_device_are_timed_on_real_copies(tmp_path, monkeypatch):

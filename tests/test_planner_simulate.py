@@ -71,6 +71,16 @@ def test_transfers_and_sync_by_hand():
     assert timeline.total_s == pytest.approx(10.0)
 
 
+def test_transfers_on_one_link_queue_behind_each_other():
+    # GPipe, 2 micro-batches, transfers (3) slower than compute (1): the second activation leaves stage 0 at 2 but
+    # waits until the first is through at 4. Stage 1: F0 [4,5] F1 [7,8] B0 [8,9] B1 [9,10]; the gradients back over
+    # the other link: B0's arrives at 12, B1's waits for it and arrives at 15; stage 0: B0 [12,13] B1 [15,16].
+    timeline = simulate(stages([1.0, 1.0], [1.0, 1.0], sends=[3.0, 0.0]), "GPipe", 2)
+    second = [(b.kind, b.microbatch, b.start, b.end) for b in timeline.stage_blocks(1) if b.kind != "sync"]
+    assert second == [("forward", 0, 4, 5), ("forward", 1, 7, 8), ("backward", 0, 8, 9), ("backward", 1, 9, 10)]
+    assert timeline.total_s == pytest.approx(16.0)
+
+
 def test_orders_follow_torch():
     # torch's Schedule1F1B: pp - stage warm-up forwards, then backward/forward pairs
     order = [("B" if a.backward else "F") + str(a.microbatch) for a in stage_actions("1F1B", 1, 3, 4)]

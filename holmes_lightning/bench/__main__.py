@@ -1,26 +1,29 @@
-"""`python -m holmes_lightning.bench [bench=short|full|memory|overhead] [bench.variants=[...]]`: every variant, one run.
+"""`python -m holmes_lightning.bench [bench=short|full|paper_regime|regret|memory|overhead] [bench.variants=[...]]`.
 
-`bench=memory` measures each rank's peak memory next to the planner's estimate instead (`bench.memory`);
-`bench=overhead` HolmesStrategy on one device against plain Lightning (`bench.overhead`).
-
-`bench=short` (default, README) takes about 3 minutes on 2 idle cores, `bench=full` (wider model, larger batch,
-8 measured steps) about 8; most of it is process start-up and the flat baselines' slow steps. Needs root for the
-lab's namespaces (without, links are not shaped and it says so). Holmes runs at pp=2 (`strategy.pp`), the degrees the
-paper compares at; `strategy.pp=null` lets the planner choose (for these small models it picks pp=4, no DP at all).
+`bench=short` (default, README) takes about 4 minutes on 2 idle cores, `bench=full` (wider model, larger batch, 8
+measured steps) about 8; most of it is process start-up and the flat baselines' slow steps. `bench=paper_regime` (about
+10) derives its job from the planner's prediction for the paper's setting (`bench.regime`) and adds Holmes with the
+planner's free choice; `bench=regret` (about 7) measures every configuration of a small job against the planner's
+choice (`bench.regret`); `bench=memory` each rank's peak memory next to the planner's estimate (`bench.memory`);
+`bench=overhead` HolmesStrategy on one device against plain Lightning (`bench.overhead`). Needs root for the lab's
+namespaces (without, links are not shaped and it says so). Holmes runs at pp=2 (`strategy.pp`), the degrees the paper
+compares at; `strategy.pp=null` lets the planner choose.
 
 Method: the same GPT, byte corpus, global batch and steps for every variant, each started in the lab on its own
 emulated network: Holmes on the hybrid cluster, on its homogeneous limit (`Topology.homogeneous()`) and with the
 NIC-unaware (Megatron, all-TCP) layout; Lightning's FSDP2 (ModelParallelStrategy) and DDPStrategy over all ranks;
 Holmes with auto and with uniform partition on the cluster with one slower NIC. Per step the slowest rank's time
-counts; warm-up steps are dropped; the median is reported. The prediction next to each run is the planner's, on
-the lab's hardware: a rank's speed per sample, fixed cost per pass and AdamW step measured in one process (see
-`bench.calibrate`), every link at its configured speed x the bandwidth scale the lab shapes it with.
-`bench.trace=true` writes a torch profiler trace per rank of the first measured step. Writes results.md,
-results.json and results.png into the run directory (outputs/bench/<time>/) and prints the table.
+counts; warm-up steps are dropped; the median is reported, with the share of the machine's cores other work took
+meanwhile. The prediction next to each run is the planner's, on the lab's hardware: a rank's costs measured on this
+machine at the start of the run (`holmes_lightning.calibration`, kept in the run directory unless
+HOLMES_CALIBRATION_DIR says otherwise), every link at its configured speed x the bandwidth scale the lab shapes it
+with. `bench.trace=true` writes a torch profiler trace per rank of the first measured step. Writes <bench name>.md,
+.json and .png into the run directory (outputs/bench/<time>/) and prints the table.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -31,8 +34,11 @@ from omegaconf import DictConfig, OmegaConf
 from holmes_lightning.bench.config import BenchJobConfig, register_bench_configs
 from holmes_lightning.bench.memory import run_memory_bench
 from holmes_lightning.bench.overhead import run_overhead_bench
+from holmes_lightning.bench.regime import derive
+from holmes_lightning.bench.regret import run_regret_bench
 from holmes_lightning.bench.report import draw, markdown, regime, write_json
-from holmes_lightning.bench.runner import run_bench
+from holmes_lightning.bench.runner import measure_model, run_bench
+from holmes_lightning.calibration import CACHE_ENV
 from holmes_lightning.config import register_configs
 from holmes_lightning.topology import Topology, config_dir
 
@@ -54,22 +60,40 @@ def run(config: BenchJobConfig, out_dir: Path) -> Path:
         print(table)
         print(f"bench: wrote {out_dir / 'overhead.md'}, overhead.json and overhead.png")
         return out_dir / "overhead.md"
-    results, context = run_bench(hybrid, settings, config.strategy, out_dir)
+    if settings.kind == "regret":
+        _, table = run_regret_bench(settings, config.strategy, out_dir)
+        print(table)
+        print(f"bench: wrote {out_dir / 'regret.md'}, regret.json and regret.png")
+        return out_dir / "regret.md"
+    derived = None
+    if settings.match is not None:
+        derived = derive(
+            hybrid, settings, requested=config.strategy, calibrate=lambda model: measure_model(hybrid, settings, model)
+        )
+        print(f"bench: {derived.describe()}", flush=True)
+        settings = derived.settings(settings)
+        # Measured again: the derivation favours whichever candidate's measurement came out off in its favour.
+        measured = measure_model(hybrid, settings, settings.model, fresh=True)
+    else:
+        measured = measure_model(hybrid, settings, settings.model)
+    results, context = run_bench(hybrid, settings, requested=config.strategy, out_dir=out_dir, measured=measured)
     model = settings.model
     context.update(
         bench=settings.name,
         model=f"GPT {model.n_layers}x{model.d_model} (heads {model.n_heads}, seq {model.seq_len})",
         global_batch=settings.global_batch,
         steps=f"{settings.warmup_steps} warm-up + {settings.measured_steps} measured steps",
+        prediction_tolerance=settings.prediction_tolerance,
     )
-    check = regime(context["variants"], context["profile"], settings.global_batch)
+    check = regime(context["variants"], context["profile"], settings.global_batch, derived=derived)
     table = markdown(results, context, check)
-    (out_dir / "results.md").write_text(table)
-    write_json(out_dir / "results.json", results, context, check)
-    draw(out_dir / "results.png", results)
+    path = out_dir / f"{settings.name}.md"
+    path.write_text(table)
+    write_json(path.with_suffix(".json"), results, context=context, check=check)
+    draw(path.with_suffix(".png"), results)
     print(table)
-    print(f"bench: wrote {out_dir / 'results.md'}, results.json and results.png")
-    return out_dir / "results.md"
+    print(f"bench: wrote {path} and its .json and .png")
+    return path
 
 
 @hydra.main(version_base=None, config_path=str(config_dir()), config_name="benchmark")
@@ -78,7 +102,9 @@ def _hydra_main(cfg: DictConfig) -> None:
         config: BenchJobConfig = OmegaConf.to_object(cfg)
     except ValueError as err:  # ConfigError from the schema's checks
         sys.exit(f"bench: {err}")
-    run(config, Path(HydraConfig.get().runtime.output_dir))
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    os.environ.setdefault(CACHE_ENV, str(out_dir / "calibration"))  # measured now, as the runs will be
+    run(config, out_dir)
 
 
 if __name__ == "__main__":

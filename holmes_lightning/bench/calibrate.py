@@ -24,11 +24,19 @@ from holmes_lightning.topology import LinkSpec, Topology
 
 
 def calibrate(
-    hybrid: Topology, profile: ModelProfile, model: ModelConfig, *, repeats: int, scale: float | None
+    hybrid: Topology,
+    profile: ModelProfile,
+    model: ModelConfig,
+    *,
+    repeats: int,
+    scale: float | None,
+    fresh: bool = False,
 ) -> Calibration:
-    """A lab rank of `hybrid` training `model`; `scale` None: the lab's default bandwidth scale for this CPU."""
+    """A lab rank of `hybrid` training `model`; `scale` None: the lab's default bandwidth scale for this CPU; `fresh`:
+    time the model even if its costs are cached."""
     sample = torch.zeros(1, model.seq_len, dtype=torch.long)
-    measured = calibration.measure(gpt(model).pipeline_layers(), sample, device=torch.device("cpu"), repeats=repeats)
+    layers = gpt(model).pipeline_layers()
+    measured = calibration.measure(layers, sample, device=torch.device("cpu"), repeats=repeats, fresh=fresh)
     latency = calibration.local_handoff_latency_s(hybrid.world_size)
     scale, reason = (scale, "bench.bandwidth_scale") if scale is not None else default_bandwidth_scale(hybrid)
     return Calibration.of(

@@ -8,21 +8,75 @@ from hydra.core.config_store import ConfigStore
 
 from holmes_lightning.config import ConfigError, ModelConfig
 from holmes_lightning.planner import PlanOptions
+from holmes_lightning.topology import shipped_cluster_names
 from holmes_lightning.topology.spec import ClusterSpec
 
 VARIANTS = ("holmes_hybrid", "holmes_homogeneous", "fsdp", "ddp", "nic_unaware", "holmes_unequal", "uniform_unequal")
+FREE_CHOICE = "holmes_free"  # Holmes with no degree, partition or sharding pinned (bench=paper_regime runs it too)
 MEMORY_VARIANTS = ("memory_fsdp", "memory_replicas", "memory_eager")
 OVERHEAD_VARIANTS = ("plain", "holmes")
-KINDS = {"speed": VARIANTS, "memory": MEMORY_VARIANTS, "overhead": OVERHEAD_VARIANTS}
+KINDS = {
+    "speed": (*VARIANTS, FREE_CHOICE),
+    "memory": MEMORY_VARIANTS,
+    "overhead": OVERHEAD_VARIANTS,
+    "regret": tuple(shipped_cluster_names()),
+}
+
+
+@dataclass
+class RegimeMatch:
+    """The setting whose predicted step the lab job reproduces (`bench=paper_regime`), and the lab jobs to pick from.
+
+    The reference: `model` on `cluster` at `global_batch` sequences per step, planned with the plan CLI's defaults.
+    The lab job: a GPT of `n_layers` blocks, width in `d_models` (heads of `head_dim`), sequence in `seq_lens`, global
+    batch in `global_batches`, and any bandwidth scale the lab shapes exactly. The bench picks the one whose
+    predicted homogeneous step splits into compute, DP sync, p2p and bubble as the reference's does (each share
+    within `share_tolerance`) and whose predicted ratios to the NIC-unaware layout, flat FSDP2 and DDP come closest
+    to the reference's (relative, in units of `ratio_tolerance`), among those whose runs' steps fit
+    `measured_budget_s` in all and whose Holmes step is predicted to last at least `min_step_s` (so that what a
+    step costs outside the cost model, Lightning's loop and the data loader, stays small next to it).
+    """
+
+    cluster: ClusterSpec = field(default_factory=ClusterSpec)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    global_batch: int = 512
+    share_tolerance: float = 0.10
+    ratio_tolerance: float = 0.10
+    n_layers: int = 8
+    d_models: list[int] = field(default_factory=lambda: [192, 256, 384])
+    seq_lens: list[int] = field(default_factory=lambda: [128, 256])
+    global_batches: list[int] = field(default_factory=lambda: [16, 32, 64])
+    head_dim: int = 64
+    measured_budget_s: float = 360.0
+    min_step_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.global_batch <= 0:
+            raise ConfigError(f"bench.match.global_batch={self.global_batch!r}: must be > 0 (sequences per step)")
+        for name in ("share_tolerance", "ratio_tolerance", "measured_budget_s", "min_step_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"bench.match.{name}={getattr(self, name)!r}: must be > 0")
+        for name in ("d_models", "seq_lens", "global_batches"):
+            values = list(getattr(self, name))
+            if not values or min(values) <= 0:
+                raise ConfigError(f"bench.match.{name}={values!r}: give one or more positive values")
+        if any(width % self.head_dim for width in self.d_models):
+            raise ConfigError(
+                f"bench.match.d_models={list(self.d_models)!r}: each must be a multiple of "
+                f"bench.match.head_dim={self.head_dim}"
+            )
 
 
 @dataclass
 class BenchSettings:
     """One benchmark size: the model, batch and steps every variant runs, and how the cost model is calibrated.
 
-    `kind`: "speed" (step times in the lab, `VARIANTS`) or "memory" (each rank's peak memory next to the planner's
-    estimate, on loopback, `MEMORY_VARIANTS`) or "overhead" (HolmesStrategy on one device against plain Lightning,
-    alternated `repeats` times, `bench.overhead`).
+    `kind`: "speed" (step times in the lab, `VARIANTS` and `FREE_CHOICE`), "memory" (each rank's peak memory next to
+    the planner's estimate, on loopback, `MEMORY_VARIANTS`), "overhead" (HolmesStrategy on one device against plain
+    Lightning, alternated `repeats` times, `bench.overhead`) or "regret" (every configuration of a small job on each
+    shipped cluster config named in `variants`, measured, against the planner's choice; `bench.regret`).
+    `match`: derive the model, global batch and bandwidth scale from a reference setting instead (`RegimeMatch`).
+    `prediction_tolerance`: how far each run's predicted step may be from the measured one.
 
     `slow_cluster` runs its NIC at `slow_nic_gbps` in the unequal-clusters topology (auto vs uniform partition).
     `bandwidth_scale` None: chosen from this CPU as `lab.scale` does, once, for every variant. What Holmes plans
@@ -44,6 +98,8 @@ class BenchSettings:
     trace: bool = False
     timeout_s: float = 600.0
     repeats: int = 1
+    prediction_tolerance: float = 0.15
+    match: RegimeMatch | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -66,6 +122,8 @@ class BenchSettings:
             raise ConfigError(f"bench.slow_nic_gbps={self.slow_nic_gbps!r}: must be > 0, e.g. 50")
         if self.repeats < 1:
             raise ConfigError(f"bench.repeats={self.repeats!r}: must be >= 1")
+        if not self.prediction_tolerance > 0:
+            raise ConfigError(f"bench.prediction_tolerance={self.prediction_tolerance!r}: must be > 0, e.g. 0.05")
         if self.calibration_repeats < 1:
             raise ConfigError(f"bench.calibration_repeats={self.calibration_repeats!r}: must be >= 1")
 

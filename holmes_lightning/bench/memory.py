@@ -28,7 +28,7 @@ import torch
 
 from holmes_lightning.bench.calibrate import gpt
 from holmes_lightning.bench.config import BenchSettings
-from holmes_lightning.bench.runner import worker_command, write_spec
+from holmes_lightning.bench.runner import rank_results, worker_command, write_spec
 from holmes_lightning.bench.variants import Variant
 from holmes_lightning.config import ModelConfig
 from holmes_lightning.measure import profile_modules
@@ -98,14 +98,16 @@ def plan_memory_variants(
 
 def measure(variant: Variant, profile: ModelProfile, settings: BenchSettings, folder: Path) -> list[MemoryRow]:
     """Run one variant's ranks on loopback; a row per rank."""
-    spec = write_spec(variant, settings, folder, meta=variant.name != "memory_eager")
+    spec = write_spec(
+        [variant], topology=variant.topology, settings=settings, folder=folder, meta=variant.name != "memory_eager"
+    )
     code = launch(worker_command(spec), variant.topology, node_env=lambda _node: ALLOCATOR_ENV)
     if code != 0:
         raise RuntimeError(f"bench: run {variant.name!r} failed with exit code {code}; its ranks' output is above")
     rows = []
-    for rank in range(variant.topology.world_size):
-        result = json.loads((folder / f"rank{rank}.json").read_text())
-        stage = variant.plan.stages[result["stage"]]
+    for rank, result in enumerate(rank_results(folder, variant.topology.world_size)):
+        (run,) = result["runs"]
+        stage = variant.plan.stages[run["stage"]]
         param_bytes = sum(profile.layers[i].param_bytes for i in stage.layers)
         rows.append(
             MemoryRow(

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from holmes_lightning.bench.calibrate import Calibration, lab_topology, with_slow_cluster
-from holmes_lightning.bench.config import BenchSettings
+from holmes_lightning.bench.calibrate import lab_topology, with_slow_cluster
+from holmes_lightning.bench.config import FREE_CHOICE, BenchSettings
+from holmes_lightning.calibration import Calibration
 from holmes_lightning.planner import BatchSettings, ModelProfile, Plan, PlanOptions, Sharding, compare, plan
 from holmes_lightning.topology import Topology
 
@@ -18,10 +20,14 @@ LABELS = {
     "nic_unaware": "pipeline x DP, NIC-unaware layout",
     "holmes_unequal": "Holmes auto partition, unequal clusters",
     "uniform_unequal": "Holmes uniform partition, unequal clusters",
+    FREE_CHOICE: "Holmes, planner's free choice",
     "memory_fsdp": "Holmes FSDP, built on meta",
     "memory_replicas": "Holmes replicas, built on meta",
     "memory_eager": "Holmes replicas, built whole on every rank",
 }
+HYBRID_RUNS = ("holmes_hybrid", "holmes_homogeneous", "nic_unaware", "fsdp", "ddp", FREE_CHOICE)
+UNEQUAL_RUNS = ("holmes_unequal", "uniform_unequal")
+LIGHTNING_STRATEGIES = ("fsdp", "ddp")  # runs of Lightning's own strategies; every other run is HolmesStrategy
 
 
 @dataclass(frozen=True)
@@ -56,33 +62,73 @@ class Hardware:
         return lab_topology(topology, self.calibration.bandwidth_scale, self.calibration.device_tflops)
 
 
+def lab_options(requested: PlanOptions, calibration: Calibration) -> PlanOptions:
+    """What the planner plans the lab's runs with: gloo, and a rank's costs as calibrated."""
+    return calibration.plan_options(replace(requested, backend="gloo"))
+
+
+def run_key(planned: Plan) -> tuple:
+    """What the runtime runs: the ranks, layers and links of every stage, the schedule, micro-batches and sharding."""
+    stages = tuple((stage.ranks, stage.chunks, stage.dp_link, stage.send_link) for stage in planned.stages)
+    return (stages, planned.schedule, planned.microbatches, planned.sharding)
+
+
+def free_choice(options: PlanOptions) -> PlanOptions:
+    """`options` with nothing pinned that the planner chooses: degrees, partition, sharding."""
+    return replace(options, pp=None, dp=None, partition="auto", sharding=Sharding.auto)
+
+
+def plan_alternatives(
+    hybrid: Topology,
+    profile: ModelProfile,
+    batch: BatchSettings,
+    *,
+    options: PlanOptions,
+    names: Sequence[str] = HYBRID_RUNS,
+) -> dict[str, Plan]:
+    """Holmes' plan for the hybrid cluster and the alternatives the bench runs on it (`names` of `HYBRID_RUNS`).
+
+    The homogeneous limit and the NIC-unaware layout are `compare`'s; flat FSDP2 and DDP are one group over every
+    rank, sharded or replicated; the free choice is Holmes with no degree, partition or sharding pinned.
+    """
+    plans: dict[str, Plan] = {}
+    if set(names) & {"holmes_hybrid", "holmes_homogeneous", "nic_unaware", "fsdp"}:
+        compared = compare(hybrid, profile, batch, options)
+        missing = [name for name in ("homogeneous", "nic_unaware", "flat_fsdp") if name not in compared]
+        if missing:
+            raise ValueError(f"bench: {'; '.join(compared['holmes'].notes)}")
+        plans.update(
+            holmes_hybrid=compared["holmes"],
+            holmes_homogeneous=compared["homogeneous"],
+            nic_unaware=compared["nic_unaware"],
+            fsdp=compared["flat_fsdp"],
+        )
+    if "ddp" in names:
+        replicas = replace(options, layout="flat_fsdp", sharding=Sharding.none, pp=None)
+        plans["ddp"] = plan(hybrid, profile, batch, replicas)
+    if FREE_CHOICE in names:
+        plans[FREE_CHOICE] = plan(hybrid, profile, batch, free_choice(options))
+    return {name: plans[name] for name in names}
+
+
 def plan_variants(
     hardware: Hardware, profile: ModelProfile, settings: BenchSettings, requested: PlanOptions
 ) -> list[Variant]:
     """Every requested variant with the plan the planner makes for it on the calibrated lab hardware."""
     batch = BatchSettings(settings.global_batch)
-    options = hardware.calibration.plan_options(replace(requested, backend="gloo"))
-    hybrid = compare(hardware.lab(hardware.hybrid), profile, batch, options)
-    flat_fsdp = plan(
-        hardware.lab(hardware.hybrid),
-        profile,
-        batch,
-        replace(options, layout="flat_fsdp", sharding=Sharding.fsdp, pp=None),
-    )
-    unequal = compare(hardware.lab(hardware.unequal), profile, batch, options)
-    ddp = plan(
-        hardware.lab(hardware.hybrid),
-        profile,
-        batch,
-        replace(options, layout="flat_fsdp", sharding=Sharding.none, pp=None),
-    )
-    runs = {
-        "holmes_hybrid": ("holmes", hardware.hybrid, hybrid["holmes"]),
-        "holmes_homogeneous": ("holmes", hardware.homogeneous, hybrid["homogeneous"]),
-        "fsdp": ("fsdp", hardware.hybrid, flat_fsdp),
-        "ddp": ("ddp", hardware.hybrid, ddp),
-        "nic_unaware": ("holmes", hardware.hybrid, hybrid["nic_unaware"]),
-        "holmes_unequal": ("holmes", hardware.unequal, unequal["holmes"]),
-        "uniform_unequal": ("holmes", hardware.unequal, unequal["uniform"]),
-    }
-    return [Variant(name, *runs[name]) for name in settings.variants]
+    options = lab_options(requested, hardware.calibration)
+    hybrid_runs = [name for name in settings.variants if name in HYBRID_RUNS]
+    plans = plan_alternatives(hardware.lab(hardware.hybrid), profile, batch, options=options, names=hybrid_runs)
+    if set(settings.variants) & set(UNEQUAL_RUNS):
+        unequal = compare(hardware.lab(hardware.unequal), profile, batch, options)
+        plans.update(holmes_unequal=unequal["holmes"], uniform_unequal=unequal["uniform"])
+    networks = {"holmes_homogeneous": hardware.homogeneous, **dict.fromkeys(UNEQUAL_RUNS, hardware.unequal)}
+    return [
+        Variant(
+            name=name,
+            strategy=name if name in LIGHTNING_STRATEGIES else "holmes",
+            topology=networks.get(name, hardware.hybrid),
+            plan=plans[name],
+        )
+        for name in settings.variants
+    ]

@@ -1,9 +1,10 @@
-"""One rank of one benchmark run: `python -m holmes_lightning.bench.worker SPEC.json`, started by the lab.
+"""One rank of one launch of the bench: `python -m holmes_lightning.bench.worker SPEC.json`, started by the lab.
 
-Trains the recipe's GPT on the byte corpus under the variant's strategy for the given steps and writes this rank's
-step times (seconds between consecutive ends of a training step) to `rank<N>.json` in the spec's folder, with its
-resident memory just before the model is built (`baseline_rss_bytes`) and at its peak. `spec["meta"]`: build the
-model under `trainer.init_module(empty_init=True)` (HolmesStrategy then allocates only this rank's stage).
+For each of the spec's runs in turn (`spec["runs"]`: name, strategy and, for Holmes, the plan), trains the recipe's
+GPT on the byte corpus for the given steps under a fresh Trainer; writes this rank's step times per run (seconds
+between consecutive ends of a training step) to `rank<N>.json` in the spec's folder, with its resident memory just
+before the first model is built (`baseline_rss_bytes`) and at its peak. `spec["meta"]`: build the model under
+`trainer.init_module(empty_init=True)` (HolmesStrategy then allocates only this rank's stage).
 """
 
 from __future__ import annotations
@@ -42,12 +43,13 @@ class StepTimer(Callback):
         self.trace_step = trace_step
         self.trace_path = trace_path
         self.seconds: list[float] = []
+        self.first_step_at = 0.0
         self._last = 0.0
         self._profiler: torch.profiler.profile | None = None
 
     def on_train_batch_start(self, trainer: L.Trainer, _module: L.LightningModule, _batch: Any, index: int) -> None:
         if index == 0:
-            self._last = time.perf_counter()
+            self._last = self.first_step_at = time.perf_counter()
         if index == self.trace_step:
             self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
             self._profiler.start()
@@ -77,24 +79,24 @@ class FlatFSDPGPT(GPT):
             fully_shard(module, mesh=self.device_mesh["data_parallel"])
 
 
-def make_strategy(spec: dict, topology: Topology) -> Strategy:
-    timeout = timedelta(seconds=spec["timeout_s"])
-    if spec["strategy"] == "fsdp":
+def make_strategy(run: dict, topology: Topology, timeout_s: float) -> Strategy:
+    timeout = timedelta(seconds=timeout_s)
+    if run["strategy"] == "fsdp":
         return ModelParallelStrategy(
             data_parallel_size=topology.world_size,
             tensor_parallel_size=1,
             process_group_backend="gloo",
             timeout=timeout,
         )
-    if spec["strategy"] == "ddp":
+    if run["strategy"] == "ddp":
         return DDPStrategy(process_group_backend="gloo", timeout=timeout)
-    plan = Plan.from_json(spec["plan"])
-    return HolmesStrategy(cluster=topology, plan=plan, timeout=timeout)
+    return HolmesStrategy(cluster=topology, plan=Plan.from_json(run["plan"]), timeout=timeout)
 
 
-def run(spec: dict) -> None:
-    topology = Topology.from_dict(spec["topology"])
-    rank = default_environment().global_rank()
+def train(spec: dict, run: dict, topology: Topology, rank: int) -> dict:
+    """Train one run (a fresh Trainer, strategy and model, the same data) and return this rank's step times and the
+    seconds from the start of the run to its first step (`setup_s`: Trainer, process groups, model, data)."""
+    started = time.perf_counter()
     out = Path(spec["out_dir"])
     L.seed_everything(spec["seed"], workers=True)
     model_config = ModelConfig(**spec["model"])
@@ -105,12 +107,12 @@ def run(spec: dict) -> None:
         seed=spec["seed"],
     )
     trace_step = spec["warmup_steps"] if spec["trace"] else None
-    timer = StepTimer(spec["name"], spec["steps"], trace_step, out / f"trace_rank{rank}.json")
+    timer = StepTimer(run["name"], spec["steps"], trace_step, out / f"trace_{run['name']}_rank{rank}.json")
     trainer = L.Trainer(
         accelerator="cpu",
         devices=len(topology.node_of(rank).ranks),
         num_nodes=len(topology.nodes),
-        strategy=make_strategy(spec, topology),
+        strategy=make_strategy(run, topology, spec["timeout_s"]),
         max_steps=spec["steps"],
         limit_val_batches=0,
         num_sanity_val_steps=0,
@@ -121,20 +123,33 @@ def run(spec: dict) -> None:
         callbacks=[timer],
         default_root_dir=str(out),
     )
-    baseline = resident_bytes()
+    before_model = resident_bytes()
     with trainer.init_module(empty_init=True) if spec.get("meta") else nullcontext():
-        model = gpt(model_config, FlatFSDPGPT if spec["strategy"] == "fsdp" else GPT)
+        model = gpt(model_config, FlatFSDPGPT if run["strategy"] == "fsdp" else GPT)
     trainer.fit(model, datamodule=data)
     plan_mesh = getattr(trainer.strategy, "plan_mesh", None)
-    result = {
-        "rank": rank,
+    stage = None if plan_mesh is None else plan_mesh.stage
+    setup_s = timer.first_step_at - started
+    if trainer.is_global_zero:
+        print(f"  {run['name']}: {setup_s:.1f} s from the run's start to its first step", flush=True)
+    return {
+        "name": run["name"],
         "step_s": timer.seconds,
-        "stage": None if plan_mesh is None else plan_mesh.stage,
-        "baseline_rss_bytes": baseline,
-        "peak_rss_bytes": peak_resident_bytes(),
+        "setup_s": setup_s,
+        "stage": stage,
+        "rss_before_model_bytes": before_model,
     }
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def main(spec: dict) -> None:
+    """Every run of the spec in order, in this one process (later runs reuse the default process group)."""
+    rank = default_environment().global_rank()
+    topology = Topology.from_dict(spec["topology"])
+    runs = [train(spec, run, topology, rank) for run in spec["runs"]]
+    baseline = runs[0]["rss_before_model_bytes"]
+    result = {"rank": rank, "runs": runs, "baseline_rss_bytes": baseline, "peak_rss_bytes": peak_resident_bytes()}
+    (Path(spec["out_dir"]) / f"rank{rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
-    run(json.loads(Path(sys.argv[1]).read_text()))
+    main(json.loads(Path(sys.argv[1]).read_text()))

@@ -21,6 +21,12 @@ def _round_up(value: float) -> float:
     return math.ceil(value / step) * step
 
 
+def fastest_link_gbps(topology: Topology) -> float:
+    """The fastest link between nodes the lab shapes: a NIC or a link between clusters."""
+    inter_cluster = topology.spec.inter_cluster
+    return max(*(n.nic_gbps for n in topology.nodes), inter_cluster.gbps, *(pair.gbps for pair in inter_cluster.pairs))
+
+
 def default_bandwidth_scale(topology: Topology) -> tuple[float, str]:
     """The scale, 1/N with N rounded up to two significant digits, and one line saying how it was chosen."""
     cores = available_cores()
@@ -31,7 +37,7 @@ def default_bandwidth_scale(topology: Topology) -> tuple[float, str]:
         f"a rank here computes {per_rank:.0f} GFLOP/s ({topology.world_size} ranks on {cores} cores), "
         f"{format_scale(scale)} of a {device_tflops:g} TFLOPS device, so links run {format_scale(scale)} as fast"
     )
-    fastest = max(max(n.nic_gbps for n in topology.nodes), topology.spec.inter_cluster.gbps)
+    fastest = fastest_link_gbps(topology)
     if fastest * 1000 * scale > MAX_LAB_MBIT:
         scale = 1 / _round_up(fastest * 1000 / MAX_LAB_MBIT)
         why += f"; capped at {format_scale(scale)} so the fastest link stays under {MAX_LAB_MBIT:g} Mb/s"

@@ -2,7 +2,9 @@
 
 Every stage runs its actions one after another. A forward of virtual stage k waits for virtual stage k-1's forward
 of the same micro-batch plus the activation transfer; a backward waits for virtual stage k+1's backward plus the
-gradient transfer (same bytes, same link). Transfers overlap compute and do not contend for links. After its last
+gradient transfer (same bytes, same link). Transfers overlap compute; the link from one stage to another carries one
+transfer at a time, in the order the receiving stage takes them (a pipeline's activations queue behind each other on
+a slow link, as they do on a real one). After its last
 backward a stage spends its exposed DP sync (a "sync" block, with the pipeline's closing all-reduce of the loss), then
 its optimizer step; the step ends when the last stage is done.
 
@@ -54,7 +56,8 @@ class Replay:
 
     `orders[s]`: stage s's actions in the order it runs them.
     Per action: its stage, its virtual stage (`chunk * pp + stage`), forward/backward, the index of the action it
-    waits for (-1: none) and the virtual stage whose transfer lies between them (-1: none).
+    waits for (-1: none), the virtual stage whose transfer lies between them (-1: none) and the link that transfer
+    takes (`sender * pp + receiver` of the stages; -1: none).
     """
 
     pp: int
@@ -66,6 +69,7 @@ class Replay:
     backward: tuple[bool, ...]
     waits_for: tuple[int, ...]
     transfer: tuple[int, ...]
+    link: tuple[int, ...]
 
     @classmethod
     @cache
@@ -73,7 +77,7 @@ class Replay:
         orders = [stage_actions(schedule, s, pp, microbatches, chunks) for s in range(pp)]
         last = pp * chunks - 1
         index: dict[tuple[bool, int, int], int] = {}
-        actions, waits_for, transfer = [], [], []
+        actions, waits_for, transfer, link = [], [], [], []
         position = [0] * pp
         while any(position[s] < len(orders[s]) for s in range(pp)):
             progressed = False
@@ -90,9 +94,10 @@ class Replay:
                     if source is not None and source not in index:
                         break
                     index[(action.backward, k, action.microbatch)] = len(actions)
-                    actions.append((s, action))
                     waits_for.append(-1 if source is None else index[source])
                     transfer.append(via)
+                    link.append(actions[waits_for[-1]][0] * pp + s if via >= 0 else -1)
+                    actions.append((s, action))
                     position[s] += 1
                     progressed = True
             if not progressed:
@@ -107,6 +112,7 @@ class Replay:
             backward=tuple(a.backward for _, a in actions),
             waits_for=tuple(waits_for),
             transfer=tuple(transfer),
+            link=tuple(link),
         )
 
     def ends(
@@ -115,14 +121,20 @@ class Replay:
         """End time of every action, and when each stage's last action ends (per virtual stage seconds)."""
         pp = self.pp
         clock = [0.0] * pp
+        link_free = [0.0] * (pp * pp)  # when each stage-to-stage link has sent what it carried so far
         ends = [0.0] * len(self.actions)
-        for i, (k, is_backward, source, via) in enumerate(
-            zip(self.virtual, self.backward, self.waits_for, self.transfer, strict=True)
+        for i, (k, is_backward, source, via, link) in enumerate(
+            zip(self.virtual, self.backward, self.waits_for, self.transfer, self.link, strict=True)
         ):
             stage = k % pp  # locate_virtual(k, pp)[0], inlined: this loop times every action of every split
             start = clock[stage]
             if source >= 0:
-                ready = ends[source] + (send[via] if via >= 0 else 0.0)
+                ready = ends[source]
+                if via >= 0:
+                    if link_free[link] > ready:
+                        ready = link_free[link]
+                    ready += send[via]
+                    link_free[link] = ready
                 if ready > start:
                     start = ready
             end = start + (backward[k] if is_backward else forward[k])
