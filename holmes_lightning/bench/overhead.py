@@ -30,7 +30,7 @@ from lightning.pytorch.callbacks import Callback
 
 from holmes_lightning.bench.calibrate import gpt
 from holmes_lightning.bench.config import BenchSettings
-from holmes_lightning.bench.worker import StepTimer
+from holmes_lightning.bench.worker import QUIET_TRAINER, StepTimer
 from holmes_lightning.calibration import CACHE_ENV
 from holmes_lightning.config import ModelConfig
 from holmes_lightning.recipes import ByteCorpusDataModule
@@ -87,12 +87,7 @@ def train_once(spec: dict) -> dict:
         devices=1,
         strategy=strategy,
         max_steps=spec["steps"],
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
         callbacks=[timer, startup],
     )
     data = ByteCorpusDataModule(

@@ -79,6 +79,16 @@ class FlatFSDPGPT(GPT):
             fully_shard(module, mesh=self.device_mesh["data_parallel"])
 
 
+QUIET_TRAINER = {  # a timed run: no validation, logging, checkpoints or console output
+    "limit_val_batches": 0,
+    "num_sanity_val_steps": 0,
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+}
+
+
 def make_strategy(run: dict, topology: Topology, timeout_s: float) -> Strategy:
     timeout = timedelta(seconds=timeout_s)
     if run["strategy"] == "fsdp":
@@ -114,12 +124,7 @@ def train(spec: dict, run: dict, topology: Topology, rank: int) -> dict:
         num_nodes=len(topology.nodes),
         strategy=make_strategy(run, topology, spec["timeout_s"]),
         max_steps=spec["steps"],
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
         callbacks=[timer],
         default_root_dir=str(out),
     )
