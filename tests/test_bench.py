@@ -43,6 +43,9 @@ def test_every_variant_is_planned_and_reported(tmp_path, saved_figures):
     context.update(global_batch=8, steps="1 + 1", prediction_tolerance=0.15)
     table = markdown(results, context, check)
     assert all(v.label in table for v in variants) and "| predicted / measured within 15% | 7/7 runs" in table
+    assert "Other work took" not in table
+    busy = [replace(r, foreign_load=0.3) if r.name == "ddp" else r for r in results]
+    assert "Other work took over 10% of the machine's cores during: ddp (30%)" in markdown(busy, context, check)
     measured = {t.name: t.value for t in targets(results)}
     hybrid = plans["holmes_hybrid"].prediction.total_s
     assert measured["Holmes hybrid / FSDPStrategy"] == pytest.approx(plans["fsdp"].prediction.total_s / hybrid)

@@ -19,6 +19,7 @@ from holmes_lightning.planner import ModelProfile  # noqa: E402
 
 MB = 1e6
 HOMOGENEOUS_MINIMUM = {False: 0.90, True: 0.97}  # Holmes hybrid / its homogeneous limit, without / with a reference
+BUSY_MACHINE = 0.10  # other work's share of the cores above which a run's steps say more about the machine
 RATIO_TOLERANCE = 0.10  # with a reference: each measured ratio within this of the one predicted for the reference
 # The paper's comparisons (Holmes' step / the framework's, GPT-7.5B on 4 InfiniBand + 4 RoCE nodes of 8 A100s):
 # Fig. 6 of arXiv:2312.03549, and TFLOPS per GPU from Holmes' README (193 against 140 and 117), and the bench run
@@ -199,6 +200,13 @@ def markdown(results: list[RunResult], context: dict, check: dict) -> str:
         f"| predicted / measured within {tolerance:.0%} | {len(results) - len(off)}/{len(results)} runs | all | "
         f"{_verdict(not off)}{' (off: ' + ', '.join(r.name for r in off) + ')' if off else ''} |"
     )
+    busy = [f"{r.name} ({r.foreign_load:.0%})" for r in results if r.foreign_load > BUSY_MACHINE]
+    if busy:
+        lines += [
+            "",
+            f"Other work took over {BUSY_MACHINE:.0%} of the machine's cores during: {', '.join(busy)}; rerun "
+            "those on a quieter machine.",
+        ]
     lines += [f"\n{line}" for line in repeated_runs(results, context["variants"])]
     if "reference" in check:
         lines += ["", *paper_comparison(results, check)]
