@@ -271,7 +271,7 @@ def _time_layer(
     kept.set_requires_gradient_sync(False)  # a pipeline's micro-batches: gradients accumulate, weights stay gathered
     kept.set_reshard_after_backward(False)
     few, many = FIT_SAMPLES[0], _slope_samples(plain, x, device)
-    inputs = {n: x.expand(n, *x.shape[1:]).contiguous() for n in (few, many)}
+    inputs = {n: _repeated(x, n) for n in (few, many)}
     runs: dict[str, list[float]] = {name: [] for name in ("few", "many", "kept", "resharded", "adam", "adam_fsdp")}
     optimizers = {id(net): _adamw(net) for net in (plain, resharded)}
     for _ in range(repeats + 1):  # the first round warms up allocator and kernels
@@ -303,8 +303,7 @@ def _slope_samples(net: nn.Module, x: torch.Tensor, device: torch.device) -> int
     `SLOPE_RATIO` x the 1-sample pass's and its output stays under `MAX_SLOPE_BYTES`."""
 
     def fastest_s(samples: int) -> float:
-        inputs = x.expand(samples, *x.shape[1:]).contiguous()
-        return min(_pass_s(net, inputs, device) for _ in range(3))
+        return min(_pass_s(net, _repeated(x, samples), device) for _ in range(3))
 
     with torch.no_grad():
         sample_bytes = net(x).nbytes
@@ -312,6 +311,11 @@ def _slope_samples(net: nn.Module, x: torch.Tensor, device: torch.device) -> int
     while 2 * many * sample_bytes <= MAX_SLOPE_BYTES and fastest_s(many) < SLOPE_RATIO * one_s:
         many *= 2
     return many
+
+
+def _repeated(x: torch.Tensor, samples: int) -> torch.Tensor:
+    """A batch of `samples` copies of the one sample `x`."""
+    return x.expand(samples, *x.shape[1:]).contiguous()
 
 
 def _copy_on(layer: nn.Module, device: torch.device) -> nn.Module:

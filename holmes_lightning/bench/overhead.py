@@ -22,7 +22,6 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import lightning as L
 import matplotlib
@@ -60,19 +59,14 @@ class OverheadRun:
     tokens_per_s: float
 
 
-class StartupTimer(Callback):
-    """Seconds from the Trainer's `setup` (before the strategy profiles, calibrates and plans) to the first step."""
+class SetupClock(Callback):
+    """When the Trainer's `setup` ran: before the strategy profiles, calibrates and plans."""
 
     def __init__(self) -> None:
-        self.seconds = 0.0
-        self._start = 0.0
+        self.started_at = 0.0
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self._start = time.perf_counter()
-
-    def on_train_batch_start(self, trainer: L.Trainer, _module: L.LightningModule, _batch: Any, index: int) -> None:
-        if index == 0:
-            self.seconds = time.perf_counter() - self._start
+        self.started_at = time.perf_counter()
 
 
 def train_once(spec: dict) -> dict:
@@ -81,14 +75,14 @@ def train_once(spec: dict) -> dict:
     model_config = ModelConfig(**spec["model"])
     holmes = spec["variant"] == "holmes"
     strategy = HolmesStrategy(cluster=ONE_DEVICE, global_batch=spec["global_batch"], pp=1, dp=1) if holmes else "auto"
-    timer, startup = StepTimer(spec["variant"], spec["steps"], None, Path()), StartupTimer()
+    timer, setup = StepTimer(spec["variant"], spec["steps"], None, Path()), SetupClock()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
         strategy=strategy,
         max_steps=spec["steps"],
         **QUIET_TRAINER,
-        callbacks=[timer, startup],
+        callbacks=[timer, setup],
     )
     data = ByteCorpusDataModule(
         seq_len=model_config.seq_len,
@@ -97,7 +91,7 @@ def train_once(spec: dict) -> dict:
         seed=spec["seed"],
     )
     trainer.fit(gpt(model_config), datamodule=data)
-    return {"step_s": timer.seconds, "startup_s": startup.seconds}
+    return {"step_s": timer.seconds, "startup_s": timer.first_step_at - setup.started_at}
 
 
 def run_once(variant: str, repeat: int, settings: BenchSettings, out_dir: Path) -> OverheadRun:
