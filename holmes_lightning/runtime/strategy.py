@@ -308,7 +308,8 @@ class HolmesStrategy(ModelParallelStrategy):
         Calibrating takes every rank first: they time a message between two of them while all compute, and make the
         group of rank 0 alone that FSDP is timed on.
         """
-        calibrating = self.calibrate and self.plan is None
+        assert self.lightning_module is not None
+        calibrating = self.calibrate and self.plan is None and not missing_contract(self.lightning_module)
         latency = handoff_latency_s(self.root_device) if calibrating else 0.0
         alone = dist.new_group([0]) if calibrating else None
         outcome: tuple[str, str, dict | None] | Exception | None = None
