@@ -12,7 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
-TORCH_SPEC="${GPU_CHECK_TORCH:-torch>=2.6,<2.14}"
+TORCH_SPEC="${GPU_CHECK_TORCH:-torch>=2.10,<2.14}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 export PIP_BREAK_SYSTEM_PACKAGES=1 # images whose system Python is "externally managed" (PEP 668)
 

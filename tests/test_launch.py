@@ -8,7 +8,9 @@ from holmes_lightning.launch import main
 from holmes_lightning.processes import launch
 from holmes_lightning.topology import Topology
 
-PRINT_RANK = "import os; print(os.environ['RANK'], os.environ['GROUP_RANK'], os.environ['LOCAL_RANK'], flush=True)"
+PRINT_RANK = (  # one write per line, as PRINT_CLUSTER below
+    "import os; env = os.environ; os.write(1, f\"{env['RANK']} {env['GROUP_RANK']} {env['LOCAL_RANK']}\\n\".encode())"
+)
 
 
 def test_every_rank_gets_torchrun_variables(capfd):
@@ -28,9 +30,10 @@ def test_one_failing_rank_stops_the_others(capfd, tmp_path):
     assert sorted(re.findall(r"rank (\d) stopped by SIGTERM", err)) == ["0", "1", "3"]
 
 
-PRINT_CLUSTER = (
+PRINT_CLUSTER = (  # one write per line: the 8 ranks share the test's stdout, and print() writes text and newline apart
     "import json, os; spec = json.loads(os.environ['HOLMES_TOPOLOGY'])['spec']; "
-    "print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], 'devices_per_node', spec['devices_per_node'])"
+    "os.write(1, f\"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} devices_per_node "
+    "{spec['devices_per_node']}\\n\".encode())"
 )
 
 
