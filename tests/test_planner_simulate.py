@@ -65,20 +65,40 @@ def test_unequal_1f1b_by_hand():
 
 
 def test_transfers_and_sync_by_hand():
-    # one micro-batch, GPipe: F0 (1) + send (0.5) + F1 (1) + B1 (2) + send back (0.5) + B0 (2), then stage 0's sync (3)
+    # one micro-batch, GPipe: F0 (1) + send (0.5) + F1 (1) + B1 (2) + send back (0.5) + B0 (2), then stage 0's sync (3);
+    # stage 1 waits for its gradient to be through (5) before its own sync (1)
     timeline = simulate(stages([1.0, 1.0], [2.0, 2.0], sends=[0.5, 0.0], syncs=[3.0, 1.0]), "GPipe", 1)
-    assert timeline.stage_end_s == pytest.approx((7.0 + 3.0, 4.5 + 1.0))
+    assert timeline.stage_end_s == pytest.approx((7.0 + 3.0, 5.0 + 1.0))
     assert timeline.total_s == pytest.approx(10.0)
 
 
-def test_transfers_on_one_link_queue_behind_each_other():
-    # GPipe, 2 micro-batches, transfers (3) slower than compute (1): the second activation leaves stage 0 at 2 but
-    # waits until the first is through at 4. Stage 1: F0 [4,5] F1 [7,8] B0 [8,9] B1 [9,10]; the gradients back over
-    # the other link: B0's arrives at 12, B1's waits for it and arrives at 15; stage 0: B0 [12,13] B1 [15,16].
+def test_transfers_start_when_the_receiver_posts_its_recv():
+    # GPipe, 2 micro-batches, transfers (3) slower than compute (1). Stage 1 posts its recv for F1 only after F0 ends
+    # at 5, so the second activation, sent at 2, moves [5,8]: F0 [4,5] F1 [8,9] B0 [9,10] B1 [10,11]. Stage 0 waits for
+    # its forward sends (through at 8) before posting the recv for B0, whose gradient moves [10,13]: B0 [13,14]; B1's
+    # recv is posted at 14, its gradient moves [14,17]: B1 [17,18]. Stage 1 ends when that send is through (17).
     timeline = simulate(stages([1.0, 1.0], [1.0, 1.0], sends=[3.0, 0.0]), "GPipe", 2)
-    second = [(b.kind, b.microbatch, b.start, b.end) for b in timeline.stage_blocks(1) if b.kind != "sync"]
-    assert second == [("forward", 0, 4, 5), ("forward", 1, 7, 8), ("backward", 0, 8, 9), ("backward", 1, 9, 10)]
-    assert timeline.total_s == pytest.approx(16.0)
+    blocks = [
+        [(b.kind, b.microbatch, b.start, b.end) for b in timeline.stage_blocks(s) if b.kind != "sync"] for s in (0, 1)
+    ]
+    assert blocks[0] == [("forward", 0, 0, 1), ("forward", 1, 1, 2), ("backward", 0, 13, 14), ("backward", 1, 17, 18)]
+    assert blocks[1] == [("forward", 0, 4, 5), ("forward", 1, 8, 9), ("backward", 0, 9, 10), ("backward", 1, 10, 11)]
+    assert timeline.stage_end_s == pytest.approx((18.0, 17.0))
+
+
+def test_1f1b_waits_for_each_send_with_the_next_recv():
+    # 1F1B, 2 stages, 2 micro-batches, transfers 1. Stage 0: F0 [0,1], F1 [1,2] (warm-up; F0's send is waited after
+    # F1, through at 2: stage 1 posted its recv at 0). Stage 1: F0 [2,3], B0 [3,4]; with B0's send it posts the recv
+    # for F1 (sent at 2, moves [4,5]): F1 [5,6] once B0's gradient is through too. Stage 0 posted B0's recv with F1's
+    # send at 2: the gradient moves [4,5], B0 [5,6]; B1's recv is posted at 6 (the gradient, sent at 7, moves
+    # [7,8]): B1 [8,9]. Stage 1: B1 [6,7] (it posts no recv for it), then waits for its send: through at 8.
+    timeline = simulate(stages([1.0, 1.0], [1.0, 1.0], sends=[1.0, 0.0]), "1F1B", 2)
+    blocks = [
+        [(b.kind, b.microbatch, b.start, b.end) for b in timeline.stage_blocks(s) if b.kind != "sync"] for s in (0, 1)
+    ]
+    assert blocks[0] == [("forward", 0, 0, 1), ("forward", 1, 1, 2), ("backward", 0, 5, 6), ("backward", 1, 8, 9)]
+    assert blocks[1] == [("forward", 0, 2, 3), ("backward", 0, 3, 4), ("forward", 1, 5, 6), ("backward", 1, 6, 7)]
+    assert timeline.stage_end_s == pytest.approx((9.0, 8.0))
 
 
 def test_orders_follow_torch():

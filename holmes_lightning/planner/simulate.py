@@ -2,11 +2,23 @@
 
 Every stage runs its actions one after another. A forward of virtual stage k waits for virtual stage k-1's forward
 of the same micro-batch plus the activation transfer; a backward waits for virtual stage k+1's backward plus the
-gradient transfer (same bytes, same link). Transfers overlap compute; the link from one stage to another carries one
-transfer at a time, in the order the receiving stage takes them (a pipeline's activations queue behind each other on
-a slow link, as they do on a real one). After its last
-backward a stage spends its exposed DP sync (a "sync" block, with the pipeline's closing all-reduce of the loss), then
-its optimizer step; the step ends when the last stage is done.
+gradient transfer (same bytes, same link). The link from one stage to another carries one transfer at a time, in the
+order the receiving stage takes them (a pipeline's activations queue behind each other on a slow link, as they do on
+a real one).
+
+Point-to-point messages are rendezvous, in gloo as in NCCL: data moves once the sender has posted its send *and* the
+receiver its recv. How torch's schedules post and wait (`RENDEZVOUS`, `_gates`):
+
+- GPipe and 1F1B post an action's recv only when the stage is about to run it (after its previous action), so a
+  transfer does not overlap the receiver's compute of the action before;
+- 1F1B waits for a send in the same batch as the next recv (steady state: the action after it starts only once the
+  send is through) or, in warm-up and cool-down, after the next action's compute; GPipe waits for all forward sends
+  before its first backward; both wait for their last send before the step's end;
+- Interleaved1F1B (torch's schedule runtime) posts recvs as soon as the sender's compute is scheduled, so transfers
+  overlap compute, and waits for its sends at the end of the step.
+
+After its last backward (and send) a stage spends its exposed DP sync (a "sync" block, with the pipeline's closing
+all-reduce of the loss), then its optimizer step; the step ends when the last stage is done.
 
 Which action waits for which does not depend on the durations, so a `Replay` lists the actions once, in an order
 where each comes after what it waits for; timing a step is then one pass over that list (the planner times many
@@ -21,6 +33,9 @@ from functools import cache
 
 from holmes_lightning.planner.plan_types import StagePlan, locate_virtual, virtual_stage
 from holmes_lightning.planner.schedules import Action, stage_actions
+
+RENDEZVOUS = {"GPipe": True, "1F1B": True, "Interleaved1F1B": False}  # recv posted just before its action?
+WAITS_THEN_POSTS = {"GPipe"}  # a gated action's recv is posted after the wait (1F1B: in the same batch)
 
 
 @dataclass(frozen=True)
@@ -56,8 +71,12 @@ class Replay:
 
     `orders[s]`: stage s's actions in the order it runs them.
     Per action: its stage, its virtual stage (`chunk * pp + stage`), forward/backward, the index of the action it
-    waits for (-1: none), the virtual stage whose transfer lies between them (-1: none) and the link that transfer
-    takes (`sender * pp + receiver` of the stages; -1: none).
+    waits for (-1: none), the virtual stage whose transfer lies between them (-1: none), the link that transfer
+    takes (`sender * pp + receiver` of the stages; -1: none), the action whose send must be through before it starts
+    (`gate`) and before its stage moves on after it (`after_gate`; -1: none). `final_gates[s]`: the sends stage s
+    waits for before its step ends. `steps`: i >= 0 runs action i, ~i times the transfer into action i (when its
+    stage is about to run it: with `rendezvous`, the transfer starts no earlier, and with `waits_then_posts` no
+    earlier than the action's gate either).
     """
 
     pp: int
@@ -70,38 +89,91 @@ class Replay:
     waits_for: tuple[int, ...]
     transfer: tuple[int, ...]
     link: tuple[int, ...]
+    gate: tuple[int, ...]
+    after_gate: tuple[int, ...]
+    final_gates: tuple[tuple[int, ...], ...]
+    steps: tuple[int, ...]
+    rendezvous: bool
+    waits_then_posts: bool
 
     @classmethod
     @cache
     def of(cls, schedule: str, pp: int, microbatches: int, chunks: int = 1) -> Replay:
         orders = [stage_actions(schedule, s, pp, microbatches, chunks) for s in range(pp)]
         last = pp * chunks - 1
-        index: dict[tuple[bool, int, int], int] = {}
-        actions, waits_for, transfer, link = [], [], [], []
+        Key = tuple[bool, int, int]
+
+        def source_of(action: Action, k: int) -> tuple[Key | None, int]:
+            """The action this one waits for and the virtual stage whose transfer lies between them (-1: none)."""
+            if action.backward:
+                return ((False, k, action.microbatch), -1) if k == last else ((True, k + 1, action.microbatch), k)
+            return (None, -1) if k == 0 else ((False, k - 1, action.microbatch), k - 1)
+
+        def receiver_of(action: Action, k: int) -> Key | None:
+            """The action that takes this one's output over a link (None: no send)."""
+            if action.backward:
+                return (True, k - 1, action.microbatch) if k > 0 else None
+            return (False, k + 1, action.microbatch) if k < last else None
+
+        keys = [
+            [(a.backward, virtual_stage(s, a.chunk, pp), a.microbatch) for a in order] for s, order in enumerate(orders)
+        ]
+        receivers = [
+            [receiver_of(a, key[1]) for a, key in zip(order, stage_keys, strict=True)]
+            for order, stage_keys in zip(orders, keys, strict=True)
+        ]
+        gates = [
+            _gates(schedule, order, [r is not None for r in stage_receivers])
+            for order, stage_receivers in zip(orders, receivers, strict=True)
+        ]
+        index: dict[Key, int] = {}
+        ran: set[Key] = set()
+        arrived: set[Key] = set()
+        actions, waits_for, transfer, link, gate, after_gate, steps = [], [], [], [], [], [], []
+
+        def through(s: int, p: int) -> bool:
+            """Whether the send of stage s's action at position p (if any) can be timed: its transfer is."""
+            return p < 0 or receivers[s][p] is None or receivers[s][p] in arrived
+
         position = [0] * pp
         while any(position[s] < len(orders[s]) for s in range(pp)):
             progressed = False
             for s in range(pp):
                 while position[s] < len(orders[s]):
-                    action = orders[s][position[s]]
-                    k = virtual_stage(s, action.chunk, pp)
-                    if action.backward:
-                        source, via = (
-                            ((False, k, action.microbatch), -1) if k == last else ((True, k + 1, action.microbatch), k)
-                        )
-                    else:
-                        source, via = (None, -1) if k == 0 else ((False, k - 1, action.microbatch), k - 1)
-                    if source is not None and source not in index:
+                    p = position[s]
+                    action, key = orders[s][p], keys[s][p]
+                    source, via = source_of(action, key[1])
+                    if source is not None and source not in ran:
                         break
-                    index[(action.backward, k, action.microbatch)] = len(actions)
-                    waits_for.append(-1 if source is None else index[source])
-                    transfer.append(via)
-                    link.append(actions[waits_for[-1]][0] * pp + s if via >= 0 else -1)
-                    actions.append((s, action))
+                    if key not in index:
+                        index[key] = len(actions)
+                        actions.append((s, action))
+                        waits_for.append(-1 if source is None else index[source])
+                        transfer.append(via)
+                        link.append(actions[index[source]][0] * pp + s if via >= 0 else -1)
+                        before, after = gates[s][p]
+                        gate.append(index[keys[s][before]] if before >= 0 else -1)
+                        after_gate.append(index[keys[s][after]] if after >= 0 else -1)
+                    i = index[key]
+                    before, after = gates[s][p]
+                    if via >= 0 and key not in arrived:
+                        if schedule in WAITS_THEN_POSTS and not through(s, before):
+                            break
+                        steps.append(~i)
+                        arrived.add(key)
+                        progressed = True
+                    if not (through(s, before) and through(s, after)):
+                        break
+                    steps.append(i)
+                    ran.add(key)
                     position[s] += 1
                     progressed = True
             if not progressed:
                 raise RuntimeError(f"{schedule} order deadlocks with {pp} stages and {microbatches} micro-batches")
+        final_gates = tuple(
+            tuple(index[keys[s][p]] for p in _last_sends(order, [r is not None for r in receivers[s]]))
+            for s, order in enumerate(orders)
+        )
         return cls(
             pp=pp,
             chunks=chunks,
@@ -113,33 +185,63 @@ class Replay:
             waits_for=tuple(waits_for),
             transfer=tuple(transfer),
             link=tuple(link),
+            gate=tuple(gate),
+            after_gate=tuple(after_gate),
+            final_gates=final_gates,
+            steps=tuple(steps),
+            rendezvous=RENDEZVOUS[schedule],
+            waits_then_posts=schedule in WAITS_THEN_POSTS,
         )
 
     def ends(
         self, forward: Sequence[float], backward: Sequence[float], send: Sequence[float]
     ) -> tuple[list[float], list[float]]:
-        """End time of every action, and when each stage's last action ends (per virtual stage seconds)."""
-        pp = self.pp
+        """End time of every action, and when each stage is done with its actions and sends (per virtual stage s)."""
+        pp, virtual, waits_for, transfer = self.pp, self.virtual, self.waits_for, self.transfer
         clock = [0.0] * pp
         link_free = [0.0] * (pp * pp)  # when each stage-to-stage link has sent what it carried so far
-        ends = [0.0] * len(self.actions)
-        for i, (k, is_backward, source, via, link) in enumerate(
-            zip(self.virtual, self.backward, self.waits_for, self.transfer, self.link, strict=True)
-        ):
+        n = len(self.actions)
+        ends = [0.0] * n
+        posted = [0.0] * n  # when the stage moved on after each action, i.e. posted its send
+        through = [0.0] * n  # when each action's send reached its receiver
+        arrival = [0.0] * n  # when each action's input arrived
+        rendezvous, waits_then_posts = self.rendezvous, self.waits_then_posts
+        for step in self.steps:
+            if step < 0:  # the transfer into action ~step, timed when its stage is about to run it
+                i = ~step
+                source, link = waits_for[i], self.link[i]
+                ready = posted[source]
+                waiting = clock[virtual[i] % pp]  # the receiver posts its recv now
+                if waits_then_posts and self.gate[i] >= 0 and through[self.gate[i]] > waiting:
+                    waiting = through[self.gate[i]]
+                if rendezvous and waiting > ready:
+                    ready = waiting
+                if link_free[link] > ready:
+                    ready = link_free[link]
+                ready += send[transfer[i]]
+                link_free[link] = through[source] = arrival[i] = ready
+                continue
+            k = virtual[step]
             stage = k % pp  # locate_virtual(k, pp)[0], inlined: this loop times every action of every split
             start = clock[stage]
+            source = waits_for[step]
             if source >= 0:
-                ready = ends[source]
-                if via >= 0:
-                    if link_free[link] > ready:
-                        ready = link_free[link]
-                    ready += send[via]
-                    link_free[link] = ready
+                ready = arrival[step] if transfer[step] >= 0 else ends[source]
                 if ready > start:
                     start = ready
-            end = start + (backward[k] if is_backward else forward[k])
-            ends[i] = end
-            clock[stage] = end
+            gate = self.gate[step]
+            if gate >= 0 and through[gate] > start:
+                start = through[gate]
+            end = start + (backward[k] if self.backward[step] else forward[k])
+            ends[step] = end
+            after = self.after_gate[step]
+            if after >= 0 and through[after] > end:
+                end = through[after]
+            posted[step] = clock[stage] = end
+        for stage, gates in enumerate(self.final_gates):
+            for gate in gates:
+                if through[gate] > clock[stage]:
+                    clock[stage] = through[gate]
         return ends, clock
 
     def step_s(
@@ -148,6 +250,32 @@ class Replay:
         """The step's seconds: the latest stage end plus its tail (exposed sync and optimizer step)."""
         _, clock = self.ends(forward, backward, send)
         return max(end + extra for end, extra in zip(clock, tail, strict=True))
+
+
+def _gates(schedule: str, order: Sequence[Action], sends: Sequence[bool]) -> list[tuple[int, int]]:
+    """Per action of one stage: the positions of the actions whose sends it waits for before it starts and before the
+    stage moves on after it (-1: none), as torch's schedule batches and waits its sends (module docstring)."""
+    gates = [(-1, -1)] * len(order)
+    if schedule == "GPipe":
+        forwards = [p for p, action in enumerate(order) if not action.backward]
+        if forwards and forwards[-1] + 1 < len(order) and sends[forwards[-1]]:
+            gates[forwards[-1] + 1] = (forwards[-1], -1)
+    elif schedule == "1F1B":
+        for p in range(1, len(order)):
+            if not sends[p - 1]:
+                continue
+            same_kind = order[p].backward == order[p - 1].backward  # warm-up forwards, cool-down backwards
+            gates[p] = (-1, p - 1) if same_kind else (p - 1, -1)
+    return gates
+
+
+def _last_sends(order: Sequence[Action], sends: Sequence[bool]) -> list[int]:
+    """The positions of a stage's last forward and last backward that send: every send is through before it ends."""
+    return [
+        max(p for p, action in enumerate(order) if action.backward == backward and sends[p])
+        for backward in (False, True)
+        if any(action.backward == backward and sends[p] for p, action in enumerate(order))
+    ]
 
 
 def simulate(stages: Sequence[StagePlan], schedule: str, microbatches: int) -> Timeline:
