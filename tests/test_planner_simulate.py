@@ -5,6 +5,7 @@ import pytest
 from holmes_lightning.planner import StagePlan, simulate
 from holmes_lightning.planner.cost import CostModel
 from holmes_lightning.planner.schedules import microbatch_problem, peak_stash, stage_actions
+from holmes_lightning.planner.simulate import Timeline
 from holmes_lightning.topology import NICKind
 
 
@@ -40,6 +41,14 @@ def virtual_stages(pp, *, forward, backward, sends, tails):
     ]
 
 
+def passes(timeline: Timeline) -> list[list[tuple[str, int, float, float]]]:
+    """Per stage: its forwards and backwards as (kind, micro-batch, start, end)."""
+    return [
+        [(b.kind, b.microbatch, b.start, b.end) for b in timeline.stage_blocks(s) if b.kind in ("forward", "backward")]
+        for s in range(len(timeline.stage_end_s))
+    ]
+
+
 @pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
 @pytest.mark.parametrize(("pp", "m"), [(1, 1), (2, 4), (4, 4), (4, 8), (3, 7)])
 def test_equal_stages_take_m_plus_p_minus_1_stage_times(schedule, pp, m):
@@ -60,7 +69,7 @@ def test_unequal_1f1b_by_hand():
     # stage 0: F0 [0,1] F1 [1,2] B0 [7,9] B1 [13,15]; stage 1: F0 [1,3] B0 [3,7] F1 [7,9] B1 [9,13]
     timeline = simulate(stages([1.0, 2.0], [2.0, 4.0]), "1F1B", 2)
     assert timeline.total_s == pytest.approx(15.0)
-    first = [(b.kind, b.microbatch, b.start, b.end) for b in timeline.stage_blocks(0) if b.kind != "sync"]
+    first = passes(timeline)[0]
     assert first == [("forward", 0, 0, 1), ("forward", 1, 1, 2), ("backward", 0, 7, 9), ("backward", 1, 13, 15)]
 
 
@@ -78,9 +87,7 @@ def test_transfers_start_when_the_receiver_posts_its_recv():
     # its forward sends (through at 8) before posting the recv for B0, whose gradient moves [10,13]: B0 [13,14]; B1's
     # recv is posted at 14, its gradient moves [14,17]: B1 [17,18]. Stage 1 ends when that send is through (17).
     timeline = simulate(stages([1.0, 1.0], [1.0, 1.0], sends=[3.0, 0.0]), "GPipe", 2)
-    blocks = [
-        [(b.kind, b.microbatch, b.start, b.end) for b in timeline.stage_blocks(s) if b.kind != "sync"] for s in (0, 1)
-    ]
+    blocks = passes(timeline)
     assert blocks[0] == [("forward", 0, 0, 1), ("forward", 1, 1, 2), ("backward", 0, 13, 14), ("backward", 1, 17, 18)]
     assert blocks[1] == [("forward", 0, 4, 5), ("forward", 1, 8, 9), ("backward", 0, 9, 10), ("backward", 1, 10, 11)]
     assert timeline.stage_end_s == pytest.approx((18.0, 17.0))
@@ -93,9 +100,7 @@ def test_1f1b_waits_for_each_send_with_the_next_recv():
     # send at 2: the gradient moves [4,5], B0 [5,6]; B1's recv is posted at 6 (the gradient, sent at 7, moves
     # [7,8]): B1 [8,9]. Stage 1: B1 [6,7] (it posts no recv for it), then waits for its send: through at 8.
     timeline = simulate(stages([1.0, 1.0], [1.0, 1.0], sends=[1.0, 0.0]), "1F1B", 2)
-    blocks = [
-        [(b.kind, b.microbatch, b.start, b.end) for b in timeline.stage_blocks(s) if b.kind != "sync"] for s in (0, 1)
-    ]
+    blocks = passes(timeline)
     assert blocks[0] == [("forward", 0, 0, 1), ("forward", 1, 1, 2), ("backward", 0, 5, 6), ("backward", 1, 8, 9)]
     assert blocks[1] == [("forward", 0, 2, 3), ("backward", 0, 3, 4), ("forward", 1, 5, 6), ("backward", 1, 6, 7)]
     assert timeline.stage_end_s == pytest.approx((9.0, 8.0))
