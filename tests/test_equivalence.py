@@ -1,4 +1,5 @@
-"""HolmesStrategy pp=2 x dp=2 (4 gloo processes) trains exactly like one process on the same global batch.
+"""HolmesStrategy pp=2 x dp=2 and pp=4 x dp=1 (4 gloo processes) train exactly like one process on the same global
+batch.
 
 One launch runs every case in turn; each case's per-step losses must match single-process training within 1e-4
 relative (fp32), with AdamW, a step LR schedule and gradient clipping that is active (so the clipping norm has to
@@ -23,6 +24,8 @@ CASES: dict[str, dict[str, Any]] = {
     "1f1b_uniform": {"schedule": "1F1B", "partition": "uniform"},
     "interleaved_1f1b": {"schedule": "Interleaved1F1B", "partition": "uniform"},
     "1f1b_replicated_accumulate_2": {"schedule": "1F1B", "partition": "auto", "sharding": "none", "accumulate": 2},
+    # each cluster's two stages pass activations in a group of their own on the fabric, the middle hop on TCP
+    "1f1b_pp4_fabric_hops": {"schedule": "1F1B", "partition": "uniform", "pp": 4, "dp": 1},
 }
 
 
@@ -57,8 +60,8 @@ def train_cases(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
             schedule=case["schedule"],
             partition=case["partition"],
             sharding=case.get("sharding", "fsdp"),
-            pp=2,
-            dp=DP,
+            pp=case.get("pp", 2),
+            dp=case.get("dp", DP),
             global_batch=GLOBAL_BATCH,
             microbatches=MICROBATCHES,
             timeout=120,
@@ -68,7 +71,7 @@ def train_cases(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
         trainer = _trainer(
             STEPS // accumulate, accumulate, validate, devices=1, num_nodes=4, strategy=strategy, callbacks=[recorder]
         )
-        per_replica = GLOBAL_BATCH // DP
+        per_replica = GLOBAL_BATCH // case.get("dp", DP)
         val_loader = tiny_loader(VAL_SAMPLES, per_replica, shuffle=False)
         trainer.fit(model, tiny_loader(STEPS * GLOBAL_BATCH, per_replica), val_loader if validate else None)
         metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
@@ -78,6 +81,7 @@ def train_cases(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "chunks": [stage.chunks for stage in strategy.plan.stages],
             "metrics": metrics,
             "revalidated": revalidated,
+            "hop_peers": sorted(strategy.plan_mesh.hop_groups),
         }
     return results
 
@@ -115,6 +119,13 @@ def test_auto_partition_differs_from_uniform(ranks: list[dict[str, Any]]) -> Non
     assert ranks[0]["1f1b_uniform"]["chunks"] == [[[0, 3]], [[3, 6]]]
     assert ranks[0]["1f1b_auto"]["chunks"] != ranks[0]["1f1b_uniform"]["chunks"]
     assert [len(chunks) for chunks in ranks[0]["interleaved_1f1b"]["chunks"]] == [2, 2]
+
+
+@pytest.mark.slow
+def test_pipeline_neighbours_in_one_cluster_share_a_fabric_group(ranks: list[dict[str, Any]]) -> None:
+    """two_cluster_mixed: ranks 0, 1 on InfiniBand (A), 2, 3 on RoCE (B); pp=4 pairs each rank with its cluster twin."""
+    assert [rank["1f1b_pp4_fabric_hops"]["hop_peers"] for rank in ranks] == [[1], [0], [3], [2]]
+    assert all(rank["1f1b_auto"]["hop_peers"] == [] for rank in ranks)  # pp=2: the one hop crosses the clusters
 
 
 @pytest.mark.slow

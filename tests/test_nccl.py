@@ -11,7 +11,7 @@ from holmes_lightning import planner
 from holmes_lightning.config import ModelConfig
 from holmes_lightning.planner import BatchSettings, ModelProfile, PlanOptions
 from holmes_lightning.runtime import nccl
-from holmes_lightning.runtime.groups import plan_groups
+from holmes_lightning.runtime.groups import hop_groups, plan_groups
 from holmes_lightning.topology import ClusterSpec, LinkKind, NICKind, Topology, TopologyError, load_cluster_spec
 
 MIXED = {
@@ -37,6 +37,21 @@ def test_inside_a_fabric_nccl_chooses_and_across_fabrics_it_uses_sockets() -> No
     assert [nccl.group_net(g.link, {}) for g in dp_groups] == [None, None]  # not "IB": RoCE nodes need NCCL's pick
     assert {nccl.group_net(g.link, {}) for g in pp_groups} == {"Socket"}
     assert nccl.group_net(LinkKind.INTRA_NODE, {}) is None
+
+
+def test_pipeline_hops_inside_a_fabric_get_a_group_on_it() -> None:
+    # pp=4 over 2 IB + 2 RoCE nodes of 2 GPUs: each DP column's pipeline group spans both kinds (TCP), but only its
+    # middle hop crosses; the hops inside the IB and the RoCE cluster get a group of their two ranks on the fabric
+    spec = load_cluster_spec(MIXED)
+    model = ModelConfig(n_layers=8, d_model=32, n_heads=2, seq_len=16)
+    plan = planner.plan(Topology(spec), ModelProfile.from_gpt(model), BatchSettings(16, 4), PlanOptions(pp=4, dp=2))
+    layout = plan.mesh_layout()
+    hops = hop_groups(plan, Topology(spec))
+    assert plan.pp_links == (LinkKind.TCP, LinkKind.TCP)
+    assert [(g.name, g.link) for g in hops] == [(f"pp{d}:{a}-{a + 1}", LinkKind.RDMA) for d in range(2) for a in (0, 2)]
+    assert [g.ranks for g in hops] == [(layout[a][d], layout[a + 1][d]) for d in range(2) for a in (0, 2)]
+    assert {plan.stages[a].nics for a in (0, 1)} != {plan.stages[a].nics for a in (2, 3)}  # one kind on each side
+    assert hop_groups(mixed_plan(spec), Topology(spec)) == []  # pp=2: the one hop crosses, as the column does
 
 
 def test_a_users_nccl_net_rules_every_group() -> None:

@@ -5,6 +5,10 @@ any other group spanning nodes is forced onto TCP sockets (`runtime.nccl.group_n
 node's fabric address, or its Ethernet address for TCP groups; without addresses (outside the lab) on gloo's default
 device. Every rank creates the groups in the same order and runs a tiny collective on each right away, so that a
 group whose communicator cannot be built fails at start, by name, not at the first step.
+
+A DP column's pipeline group spans every stage, so its link is the column's slowest (TCP sockets once the column
+crosses clusters or NIC kinds). Activations between two neighbouring stages of one fabric take a group of those two
+ranks on that fabric instead (`hop_groups`), as the cost model times them: only the hops that cross travel on TCP.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 import holmes_lightning.runtime.nccl as nccl
 from holmes_lightning.planner import Plan
 from holmes_lightning.runtime.environment import NICGroupingEnvironment
-from holmes_lightning.topology import LinkKind
+from holmes_lightning.topology import LinkKind, Topology
 
 BOUND_GLOO = "holmes_gloo"
 MESH_DIMS = ("pp", "dp")
@@ -52,6 +56,23 @@ def plan_groups(plan: Plan) -> tuple[list[GroupSpec], list[GroupSpec]]:
         for d, link in zip(range(plan.dp), plan.pp_links, strict=True)
     ]
     return dp_groups, pp_groups
+
+
+def hop_groups(plan: Plan, topology: Topology) -> list[GroupSpec]:
+    """Per DP column, each pair of ranks that pass activations (neighbouring stages; the last and the first too when
+    stages hold several chunks) whose own link differs from the column's pipeline group's: a group of the two."""
+    layout = plan.mesh_layout()
+    pairs = [(s, s + 1) for s in range(plan.pp - 1)]
+    if plan.num_virtual_stages > plan.pp and plan.pp > 2:
+        pairs.append((plan.pp - 1, 0))
+    specs = []
+    for d, column_link in zip(range(plan.dp), plan.pp_links, strict=True):
+        for a, b in pairs:
+            ranks = (layout[a][d], layout[b][d])
+            link = topology.link(*ranks, rdma=plan.rdma).kind
+            if link is not column_link:
+                specs.append(GroupSpec(f"pp{d}:{a}-{b}", ranks, link))
+    return specs
 
 
 def group_transport(link: LinkKind, environment: NICGroupingEnvironment) -> Transport:
@@ -124,6 +145,7 @@ class PlanMesh:
     dp_index: int
     dp_transport: Transport
     pp_transport: Transport
+    hop_groups: dict[int, dist.ProcessGroup]  # peer rank -> the group of this rank and that neighbour (`hop_groups`)
 
     @property
     def dp_mesh(self) -> DeviceMesh:
@@ -148,10 +170,15 @@ def build_mesh(
     pp_transports = [group_transport(spec.link, environment) for spec in pp_specs]
     dp_groups = [connected_group(g, backend, t, timeout, device) for g, t in zip(dp_specs, dp_transports, strict=True)]
     pp_groups = [connected_group(g, backend, t, timeout, device) for g, t in zip(pp_specs, pp_transports, strict=True)]
+    rank, neighbours = dist.get_rank(), {}
+    for spec in hop_groups(plan, environment.topology):
+        group = connected_group(spec, backend, group_transport(spec.link, environment), timeout, device)
+        if rank in spec.ranks:
+            neighbours[next(peer for peer in spec.ranks if peer != rank)] = group
     mesh = DeviceMesh.from_group(
         [pp_groups[dp_index], dp_groups[stage]],
         device.type,
         mesh=torch.tensor(plan.mesh_layout()),
         mesh_dim_names=MESH_DIMS,
     )
-    return PlanMesh(mesh, stage, dp_index, dp_transports[stage], pp_transports[dp_index])
+    return PlanMesh(mesh, stage, dp_index, dp_transports[stage], pp_transports[dp_index], neighbours)

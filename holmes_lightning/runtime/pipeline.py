@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -97,6 +97,43 @@ class _Schedule:
     stages: list[PipelineStage]
 
 
+class HopStage(PipelineStage):
+    """A PipelineStage whose activations and gradients to a neighbour travel in that pair's own group when it has one
+    (`groups.hop_groups`: the hop's fabric); shape exchange and everything else stay on the pipeline group."""
+
+    def __init__(
+        self,
+        chunk: nn.Module,
+        index: int,
+        num_stages: int,
+        device: torch.device,
+        group: dist.ProcessGroup,
+        hop_groups: Mapping[int, dist.ProcessGroup],
+    ) -> None:
+        super().__init__(chunk, index, num_stages, device, group=group)
+        self.hop_groups = hop_groups
+
+    def _on_hop_groups(self, ops: list[dist.P2POp]) -> list[dist.P2POp]:
+        return [
+            dist.P2POp(op.op, op.tensor, op.peer, self.hop_groups[op.peer], op.tag)
+            if op.peer in self.hop_groups
+            else op
+            for op in ops
+        ]
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._on_hop_groups(super().get_fwd_recv_ops(fwd_chunk_id))
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._on_hop_groups(super().get_bwd_recv_ops(bwd_chunk_id))
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._on_hop_groups(super().get_fwd_send_ops(fwd_chunk_id))
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._on_hop_groups(super().get_bwd_send_ops(bwd_chunk_id))
+
+
 class Pipeline:
     """This rank's chunks as PipelineStages and the plan's schedule; one schedule per micro-batch shape for eval.
 
@@ -116,11 +153,13 @@ class Pipeline:
         device: torch.device,
         loss_fn: LossFn,
         gradient_syncs: Sequence[GradientSync] = (),
+        hop_groups: Mapping[int, dist.ProcessGroup] | None = None,
     ) -> None:
         self.plan = plan
         self.stage = stage
         self.chunks = list(chunks)
         self.pp_group = pp_group
+        self.hop_groups = dict(hop_groups or {})
         self.device = device
         self.loss_fn = loss_fn
         self.gradient_syncs = list(gradient_syncs)
@@ -145,7 +184,7 @@ class Pipeline:
     def _schedule(self, loss_fn: LossFn | None) -> _Schedule:
         virtual = self.plan.virtual_stages(self.stage)
         stages = [
-            PipelineStage(chunk, index, self.plan.num_virtual_stages, self.device, group=self.pp_group)
+            HopStage(chunk, index, self.plan.num_virtual_stages, self.device, self.pp_group, self.hop_groups)
             for index, chunk in zip(virtual, self.chunks, strict=True)
         ]
         microbatches = self.plan.microbatches

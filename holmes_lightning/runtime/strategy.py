@@ -480,6 +480,7 @@ class HolmesStrategy(ModelParallelStrategy):
                 device=self.root_device,
                 loss_fn=module.pipeline_loss,
                 gradient_syncs=[sync for sync in syncs if sync is not None],
+                hop_groups=mesh.hop_groups,
             )
         self.model_to_device()
         self._parameters = list(module.parameters())
