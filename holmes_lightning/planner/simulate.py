@@ -122,10 +122,8 @@ class Replay:
             [receiver_of(a, key[1]) for a, key in zip(order, stage_keys, strict=True)]
             for order, stage_keys in zip(orders, keys, strict=True)
         ]
-        gates = [
-            _gates(schedule, order, [r is not None for r in stage_receivers])
-            for order, stage_receivers in zip(orders, receivers, strict=True)
-        ]
+        sends = [[r is not None for r in stage_receivers] for stage_receivers in receivers]
+        gates = [_gates(schedule, order, sent) for order, sent in zip(orders, sends, strict=True)]
         index: dict[Key, int] = {}
         ran: set[Key] = set()
         arrived: set[Key] = set()
@@ -145,17 +143,16 @@ class Replay:
                     source, via = source_of(action, key[1])
                     if source is not None and source not in ran:
                         break
+                    before, after = gates[s][p]
                     if key not in index:
                         index[key] = len(actions)
                         actions.append((s, action))
                         waits_for.append(-1 if source is None else index[source])
                         transfer.append(via)
                         link.append(actions[index[source]][0] * pp + s if via >= 0 else -1)
-                        before, after = gates[s][p]
                         gate.append(index[keys[s][before]] if before >= 0 else -1)
                         after_gate.append(index[keys[s][after]] if after >= 0 else -1)
                     i = index[key]
-                    before, after = gates[s][p]
                     if via >= 0 and key not in arrived:
                         if schedule in WAITS_THEN_POSTS and not through(s, before):
                             break
@@ -171,8 +168,8 @@ class Replay:
             if not progressed:
                 raise RuntimeError(f"{schedule} order deadlocks with {pp} stages and {microbatches} micro-batches")
         final_gates = tuple(
-            tuple(index[keys[s][p]] for p in _last_sends(order, [r is not None for r in receivers[s]]))
-            for s, order in enumerate(orders)
+            tuple(index[keys[s][p]] for p in _last_sends(order, sent))
+            for s, (order, sent) in enumerate(zip(orders, sends, strict=True))
         )
         return cls(
             pp=pp,
