@@ -12,7 +12,9 @@ distinct pipeline layer (a layer on the meta device gets a full copy on the devi
 
 These single-process results are cached per device, torch version and model shape (`cache_dir()`); a later job with
 the same ones reads them instead. With every rank of the job (a collective, `handoff_latency_s`): the latency of a
-message between two ranks while every rank computes. When ranks share CPU cores each is credited its share of them
+message between two ranks while every rank computes. When every rank of the job computes on one machine's CPU cores,
+the cost model gets a rank's speed alone and the core count, and times how fast each computes beside the others
+(`planner.sharing`); CPU ranks spread over several machines are each credited their share of their machine's cores
 (`measure.rank_share`).
 """
 
@@ -73,7 +75,7 @@ class Calibration:
     and FSDP2's per-layer costs (`fsdp_layer_s` per micro-batch with weights kept gathered, `fsdp_reshard_layer_s`
     per pass when freed after forward, `fsdp_optimizer_layer_s` per step on DTensor parameters). `latency_s`: a
     message between two ranks while all compute. Links run at their configured speed x `bandwidth_scale` (the lab's;
-    1 on a real network).
+    1 on a real network). `shared_cores`: every rank computes on this many cores of one machine (`share` is then 1).
     """
 
     gflops: float
@@ -90,6 +92,7 @@ class Calibration:
     fsdp_optimizer_layer_s: float = 0.0
     latency_s: float = 0.0
     device: str = ""
+    shared_cores: float | None = None
 
     @classmethod
     def of(
@@ -101,8 +104,10 @@ class Calibration:
         latency_s: float = 0.0,
         bandwidth_scale: float = 1.0,
         scale_reason: str = "configured link speeds",
+        shared_cores: float | None = None,
     ) -> Calibration:
-        """A rank's costs from one process's `measured` ones, when it gets `share` of the device."""
+        """A rank's costs from one process's `measured` ones, when it gets `share` of the device; `shared_cores`: every
+        rank of the job computes on this many cores of one machine (share 1: the cost model times the sharing)."""
         gflops = profile.flops_per_sample / max(measured.per_sample_s, 1e-12) / 1e9
         per_layer = profile.num_layers * share
         return cls(
@@ -120,6 +125,7 @@ class Calibration:
             fsdp_optimizer_layer_s=measured.fsdp_optimizer_s / per_layer,
             latency_s=latency_s,
             device=measured.device,
+            shared_cores=shared_cores,
         )
 
     def plan_options(self, options: PlanOptions, peak_tflops: float | None = None) -> PlanOptions:
@@ -135,13 +141,19 @@ class Calibration:
             fsdp_layer_s=self.fsdp_layer_s,
             fsdp_reshard_layer_s=self.fsdp_reshard_layer_s,
             fsdp_optimizer_layer_s=self.fsdp_optimizer_layer_s,
+            shared_cores=options.shared_cores if self.shared_cores is None else self.shared_cores,
         )
+
+    def _sharing(self) -> str:
+        if self.shared_cores is not None:
+            return f"every rank on {self.shared_cores:g} shared cores, slower while more compute at once"
+        return f"x {self.share:g} device share"
 
     def describe(self) -> str:
         return (
             f"{self.device or 'this device'}, one rank measured alone: {self.gflops:.3g} GFLOP/s per sample + "
             f"{self.pass_overhead_s * 1e3:.1f} ms per forward+backward pass, AdamW step {self.optimizer_s * 1e3:.1f} "
-            f"ms; x {self.share:g} device share -> device_tflops={self.device_tflops:.3g}, "
+            f"ms; {self._sharing()} -> device_tflops={self.device_tflops:.3g}, "
             f"layer_overhead_s={self.layer_overhead_s:.3g}, optimizer_s_per_gb={self.optimizer_s_per_gb:.3g}, FSDP "
             f"per layer {self.fsdp_layer_s * 1e3:.2f} ms (kept) / {self.fsdp_reshard_layer_s * 1e3:.2f} ms "
             f"(resharded) + optimizer {self.fsdp_optimizer_layer_s * 1e3:.2f} ms; message latency "

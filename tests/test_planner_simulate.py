@@ -1,12 +1,14 @@
 """The step simulator and the schedules' orders against hand-computed cases."""
 
+from dataclasses import replace
+
 import pytest
 
 from holmes_lightning.planner import StagePlan, simulate
-from holmes_lightning.planner.cost import CostModel
+from holmes_lightning.planner.cost import GLOO_EARLY_BYTES, CostModel
 from holmes_lightning.planner.schedules import microbatch_problem, peak_stash, stage_actions
 from holmes_lightning.planner.simulate import Timeline
-from holmes_lightning.topology import NICKind
+from holmes_lightning.topology import NICKind, Topology
 
 
 def stages(forward, backward, sends=None, syncs=None, chunks=1):
@@ -91,6 +93,26 @@ def test_transfers_start_when_the_receiver_posts_its_recv():
     assert blocks[0] == [("forward", 0, 0, 1), ("forward", 1, 1, 2), ("backward", 0, 13, 14), ("backward", 1, 17, 18)]
     assert blocks[1] == [("forward", 0, 4, 5), ("forward", 1, 8, 9), ("backward", 0, 9, 10), ("backward", 1, 10, 11)]
     assert timeline.stage_end_s == pytest.approx((18.0, 17.0))
+
+
+def test_early_bytes_cross_before_the_recv_is_posted():
+    # The GPipe case above with the first third of each transfer (1 of 3) crossing before the recv (gloo). F1's
+    # activation, sent at 2, starts when the link is free (4): its early part [4,5], the rest after the recv posted at
+    # 5: through at 7, F1 [7,8]. Stage 1: B0 [8,9], B1 [9,10]. Stage 0 posts B0's recv at 7 (its forward sends are
+    # through): the gradient, sent at 9, moves [9,12]; B1's gradient, sent at 10, waits for the link (12), its recv is
+    # posted at 13: through at max(12 + 3, 13 + 3 - 1) = 15. Stage 0: B0 [12,13], B1 [15,16].
+    with_early = [replace(stage, early_s=(1.0,)) for stage in stages([1.0, 1.0], [1.0, 1.0], sends=[3.0, 0.0])]
+    blocks = passes(simulate(with_early, "GPipe", 2))
+    assert blocks[0] == [("forward", 0, 0, 1), ("forward", 1, 1, 2), ("backward", 0, 12, 13), ("backward", 1, 15, 16)]
+    assert blocks[1] == [("forward", 0, 4, 5), ("forward", 1, 7, 8), ("backward", 0, 8, 9), ("backward", 1, 9, 10)]
+
+
+def test_gloo_moves_a_message_start_before_its_recv_nccl_none():
+    link = Topology.from_config("two_cluster_mixed").link(0, 2)
+    gloo, nccl = (CostModel(topology=None, profile=None, backend=backend) for backend in ("gloo", "nccl"))
+    assert gloo.early_s(GLOO_EARLY_BYTES * 4, link) == pytest.approx(GLOO_EARLY_BYTES / link.bytes_per_s)
+    assert gloo.early_s(1000.0, link) == pytest.approx(1000.0 / link.bytes_per_s)  # a small message: all of it
+    assert nccl.early_s(1000.0, link) == 0.0
 
 
 def test_1f1b_waits_for_each_send_with_the_next_recv():

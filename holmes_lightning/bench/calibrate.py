@@ -3,8 +3,9 @@
 A lab rank is one CPU thread. Its costs are measured on the benchmark's GPT (`holmes_lightning.calibration`, the
 same measurement HolmesStrategy makes at job start, cached per machine and model shape): speed per sample, fixed cost
 per pass, AdamW step, FSDP2's hooks, and the latency of a message between the job's ranks while all compute (ranks
-started here for it, on loopback). When the job has more ranks than cores, ranks share them, so each is credited
-cores / ranks of it. Links run at their configured speed x the lab's bandwidth scale, as the lab shapes them.
+started here for it, on loopback). Every lab rank computes on this machine's cores: the cost model gets a rank's
+speed alone and the core count, and times each action at the speed the ranks computing beside it leave it
+(`planner.sharing`). Links run at their configured speed x the lab's bandwidth scale, as the lab shapes them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from holmes_lightning import calibration
 from holmes_lightning.calibration import Calibration
 from holmes_lightning.config import ModelConfig
 from holmes_lightning.lab.scale import default_bandwidth_scale
-from holmes_lightning.measure import profile_modules, rank_share
+from holmes_lightning.measure import available_cores, profile_modules
 from holmes_lightning.planner import ModelProfile
 from holmes_lightning.recipes import GPT
 from holmes_lightning.topology import LinkSpec, Topology
@@ -42,7 +43,8 @@ def calibrate(
     return Calibration.of(
         measured,
         profile,
-        share=rank_share(hybrid.world_size),
+        share=1.0,
+        shared_cores=available_cores(),
         latency_s=latency,
         bandwidth_scale=scale,
         scale_reason=reason,

@@ -10,6 +10,7 @@ from holmes_lightning.planner.cost import CostModel
 from holmes_lightning.planner.layout import Layout, StageHardware
 from holmes_lightning.planner.plan_types import StagePlan, StepPrediction, locate_virtual, virtual_stage
 from holmes_lightning.planner.schedules import peak_stash
+from holmes_lightning.planner.sharing import CoreSharing
 from holmes_lightning.planner.simulate import Replay, simulate
 
 GB = 1e9
@@ -49,6 +50,10 @@ class Candidate:
         pp, layers, mb = self.layout.pp, self.cost.profile.layers, self.microbatch_size
         self.virtual = pp * self.chunks
         self.replay = Replay.of(self.schedule, pp, self.microbatches, self.chunks)
+        cores = self.cost.shared_cores
+        self.sharing = None if cores is None else CoreSharing(cores, self.layout.dp)
+        # the optimizer step (and a pass without pipeline) runs while every rank computes
+        self.all_busy = 1.0 if cores is None else max(1.0, pp * self.layout.dp / cores)
         self.orders = self.replay.orders
         self.in_flight = [peak_stash(order, [1.0] * self.chunks) for order in self.orders]
         self.shapes = PathShapes.of(self.schedule, pp, self.microbatches, self.chunks)
@@ -93,6 +98,13 @@ class Candidate:
         link = self.hardware.send_links[locate_virtual(virtual_stage, self.layout.pp)[0]]
         return self.cost.transfer_s(self._activation[stop - 1], link)
 
+    def early_s(self, virtual_stage: int, stop: int) -> float:
+        """Of `send_s`, the seconds that may run before the receiver posts its recv (gloo)."""
+        if virtual_stage == self.virtual - 1:
+            return 0.0
+        link = self.hardware.send_links[locate_virtual(virtual_stage, self.layout.pp)[0]]
+        return self.cost.early_s(self._activation[stop - 1], link)
+
     def base_work_s(self, start: int, stop: int) -> float:
         """Forward + backward of one micro-batch through layers [start, stop) on the fastest stage, less the per-layer
         overhead: stage s takes at least `slowdown[s]` times this for them."""
@@ -121,10 +133,10 @@ class Candidate:
         """The sync of a stage of `layers` layers that its computation (`compute_s`: one micro-batch's forward and
         backward) does not hide."""
         sync = self.sync_s(stage, param_bytes, layers)
-        return self.cost.exposed_sync_s(sync, compute_s, pipelined=self.pipelined)
+        return self.cost.exposed_sync_s(sync, compute_s * self.all_busy, pipelined=self.pipelined)
 
     def update_s(self, param_bytes: float, layers: int) -> float:
-        return self.cost.update_s(param_bytes, self.layout.dp, layers=layers, pipelined=self.pipelined)
+        return self.cost.update_s(param_bytes, self.layout.dp, layers=layers, pipelined=self.pipelined) * self.all_busy
 
     def tail_s(self, stage: int, param_bytes: float, layers: int, compute_s: float) -> float:
         """What follows a stage's last backward: the sync the computation does not hide, the optimizer step, and a
@@ -192,7 +204,8 @@ class Candidate:
                 return None
             layers = sum(b - a for a, b in (ranges[k] for k in own))
             tails.append(self.tail_s(s, params, layers, sum(forward[k] + backward[k] for k in own)))
-        return self.replay.step_s(forward, backward, send, tails)
+        early = [self.early_s(v, b) for v, (_, b) in enumerate(ranges)]
+        return self.replay.step_s(forward, backward, send, tails, self.sharing, early)
 
     def stage_plans(self, counts: Sequence[int]) -> list[StagePlan]:
         """Exact per-chunk seconds, transfers, syncs and memory for layers per virtual stage `counts`."""
@@ -221,6 +234,9 @@ class Candidate:
                     send_s=tuple(
                         self.send_s(k, b) for k, (_, b) in zip(virtual_stages(s, self.chunks, pp), own, strict=True)
                     ),
+                    early_s=tuple(
+                        self.early_s(k, b) for k, (_, b) in zip(virtual_stages(s, self.chunks, pp), own, strict=True)
+                    ),
                     send_link=link.kind if pp > 1 else None,
                     send_gbps=link.gbps if pp > 1 else 0.0,
                     sync_s=self.sync_s(s, params, layers),
@@ -234,12 +250,13 @@ class Candidate:
 
     def predict(self, stages: list[StagePlan]) -> StepPrediction:
         """Simulate the step and split the stage that finishes last into compute, sync, transfers and bubble."""
-        m, profile = self.microbatches, self.cost.profile
-        timeline = simulate(stages, self.schedule, m)
-        no_transfers = simulate([replace(s, send_s=tuple(0.0 for _ in s.send_s)) for s in stages], self.schedule, m)
+        m, profile, cores = self.microbatches, self.cost.profile, self.cost.shared_cores
+        timeline = simulate(stages, self.schedule, m, cores)
+        silent = [replace(s, send_s=tuple(0.0 for _ in s.send_s), early_s=()) for s in stages]
+        no_transfers = simulate(silent, self.schedule, m, cores)
         total = timeline.total_s
         last = max(range(len(stages)), key=lambda s: timeline.stage_end_s[s])
-        compute = m * (sum(stages[last].forward_s) + sum(stages[last].backward_s))
+        compute = sum(b.end - b.start for b in timeline.stage_blocks(last) if b.kind in ("forward", "backward"))
         sync, update = stages[last].exposed_sync_s + stages[last].closing_s, stages[last].update_s
         p2p = max(min(total - no_transfers.total_s, total - compute - sync - update), 0.0)
         samples = m * self.microbatch_size * self.layout.dp

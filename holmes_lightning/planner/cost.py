@@ -10,6 +10,8 @@ from holmes_lightning.planner.plan_types import Sharding, reshards_after_forward
 from holmes_lightning.planner.profile import ModelProfile
 from holmes_lightning.topology import Link, Topology
 
+GLOO_EARLY_BYTES = 20 * 2**10  # of a gloo (TCP) message, what crosses before its recv is posted: the receiver's
+# socket takes it unread. Measured in the lab: 15-23 KB at every size from 32 KB to 1 MB, a 16 KB message whole.
 BUCKET_BYTES = 25 * 2**20  # gradients per all-reduce of pipelined replicas (DDP's default: few collectives, bounded
 # extra memory); `runtime.sharding.average_gradients` buckets by it
 
@@ -34,7 +36,12 @@ class CostModel:
       `BUCKET_BYTES`), and each of its ring steps costs `latency_s` too.
     - Only without a pipeline does the sync run under the computation (`dp_overlap` of it at most, and no more than
       the forward and backward pass): a pipeline reduces after its schedule's last backward.
-    - Pipeline transfers: activation bytes over the link between the stages, plus `latency_s` per message.
+    - Pipeline transfers: activation bytes over the link between the stages, plus `latency_s` per message. On gloo
+      the first `GLOO_EARLY_BYTES` of a message cross before the receiver posts its recv (`early_s`); NCCL moves
+      nothing until both sides are posted.
+    - `shared_cores`: every rank computes on this many CPU cores of one machine (None: each on its own device), at
+      its speed alone while no more ranks than cores compute, slower beside more (`planner.sharing`); its optimizer
+      step runs beside every other rank's.
     - Memory per device, what training allocates beyond the process's own baseline (interpreter, torch, CUDA
       context): the rank's parameters x `state_multiplier` (weights + grads + optimizer states per parameter byte;
       4 for fp32 AdamW), FSDP's unsharded weights and gradients, and the activations autograd keeps for the
@@ -55,6 +62,7 @@ class CostModel:
     fsdp_layer_s: float = 0.0
     fsdp_reshard_layer_s: float = 0.0
     fsdp_optimizer_layer_s: float = 0.0
+    shared_cores: float | None = None
 
     def layer_seconds(self, device_tflops: float) -> tuple[list[float], list[float]]:
         """Forward and backward seconds per sample of every layer on a device of this peak speed."""
@@ -122,6 +130,11 @@ class CostModel:
     def transfer_s(self, nbytes: float, link: Link) -> float:
         """One pipeline message of `nbytes` over `link`."""
         return self.latency_s + nbytes / link.bytes_per_s
+
+    def early_s(self, nbytes: float, link: Link) -> float:
+        """The part of `transfer_s` that may run before the receiver posts its recv."""
+        early = min(nbytes, GLOO_EARLY_BYTES) if self.backend == "gloo" else 0.0
+        return early / link.bytes_per_s
 
     def step_collective_s(self, world_size: int) -> float:
         """A pipelined step ends with one all-reduce of a scalar over every rank (the loss every rank logs): its

@@ -256,7 +256,9 @@ class _Search:
     def _finish(self, path: _Path) -> None:
         counts = tuple(path.stops[u] - path.start(u) for u in range(self.virtual))
         tails = [path.tails[s] for s in range(self.pp)]
-        step = self.candidate.replay.step_s(path.forward, path.backward, path.send, tails)
+        c = self.candidate
+        early = [c.early_s(v, path.stops[v]) for v in range(self.virtual)]
+        step = c.replay.step_s(path.forward, path.backward, path.send, tails, c.sharing, early)
         self.stats.simulated += 1
         if step < self.bar:
             self.best = (counts, step)

@@ -26,7 +26,8 @@ class StagePlan:
     `chunks` are half-open layer ranges [start, stop) into the profile's layer list; one chunk for GPipe/1F1B,
     several for interleaved schedules (chunk j of stage s is virtual stage s + j * pp). Per chunk and micro-batch:
     `forward_s`/`backward_s` compute seconds and `send_s` the transfer of its output to the next virtual stage over
-    `send_link` (0 for the last; no link without a pipeline). `clusters` / `nics`: what the DP group spans, one of
+    `send_link` (0 for the last; no link without a pipeline), `early_s` the part of it that may cross before the
+    receiver posts its recv (gloo; empty: none). `clusters` / `nics`: what the DP group spans, one of
     each in a Holmes layout, several in a NIC-unaware one. `sync_s` is the stage's DP gradient sync per step over
     `dp_link`, `exposed_sync_s` the part the computation does not hide, `closing_s` a pipelined step's all-reduce of
     the loss over every rank after it, `update_s` the optimizer step after that; `memory_gb` the estimated peak per
@@ -44,6 +45,7 @@ class StagePlan:
     forward_s: tuple[float, ...] = ()
     backward_s: tuple[float, ...] = ()
     send_s: tuple[float, ...] = ()
+    early_s: tuple[float, ...] = ()
     send_link: LinkKind | None = None
     send_gbps: float = 0.0
     sync_s: float = 0.0
@@ -89,6 +91,7 @@ class Plan:
     `sharding` is the resolved choice (fsdp or none). `rdma`: the job's communicators use their RDMA fabrics (False:
     every one runs on TCP sockets, as a NIC-unaware job holding IB and RoCE must). `pp_links[d]` is the slowest link
     of DP column d's pipeline group (the ranks with dp index d, one per stage); each stage's own group is `dp_link`.
+    `shared_cores`: the ranks were planned as sharing this many CPU cores (`planner.sharing`; None: a device each).
     """
 
     layout: str
@@ -104,6 +107,7 @@ class Plan:
     tokens_per_sample: int = 0
     rdma: bool = True
     pp_links: tuple[LinkKind, ...] = ()
+    shared_cores: float | None = None
     version: int = PLAN_VERSION
 
     @property

@@ -60,7 +60,8 @@ class PlanOptions:
     parameters add to the optimizer step per layer (see `CostModel`; HolmesStrategy measures all of these, and
     efficiency, at job start). dp_overlap: fraction of DP sync hidden under the computation without a pipeline.
     state_multiplier: bytes of weights, grads and optimizer state per parameter byte. memory_limit_gb: per device,
-    None = unchecked.
+    None = unchecked. shared_cores: every rank computes on this many CPU cores of one machine (HolmesStrategy sets it
+    for CPU ranks on one host, the bench for the lab); None: each rank on its own device.
     """
 
     schedule: str = "1F1B"
@@ -81,6 +82,7 @@ class PlanOptions:
     dp_overlap: float = 0.5
     state_multiplier: float = 4.0
     memory_limit_gb: float | None = None
+    shared_cores: float | None = None
 
     @property
     def chunks(self) -> int:
@@ -103,6 +105,7 @@ def cost_model(topology: Topology, profile: ModelProfile, options: PlanOptions, 
         fsdp_layer_s=options.fsdp_layer_s,
         fsdp_reshard_layer_s=options.fsdp_reshard_layer_s,
         fsdp_optimizer_layer_s=options.fsdp_optimizer_layer_s,
+        shared_cores=options.shared_cores,
     )
 
 
@@ -220,6 +223,7 @@ def _as_plan(candidate: Candidate, counts: tuple[int, ...], options: PlanOptions
         tokens_per_sample=candidate.cost.profile.tokens_per_sample,
         rdma=layout.rdma,
         pp_links=pipeline_links(candidate.cost.topology, layout),
+        shared_cores=candidate.cost.shared_cores,
     )
 
 
@@ -297,6 +301,12 @@ def _check_request(profile: ModelProfile, batch: BatchSettings, options: PlanOpt
             "strategy.memory_limit_gb",
             options.memory_limit_gb,
             "use the device memory in GB, or null",
+        ),
+        (
+            options.shared_cores is None or options.shared_cores > 0,
+            "strategy.shared_cores",
+            options.shared_cores,
+            "use the machine's core count, or null (a device per rank)",
         ),
     ]
     for ok, name, value, fix in checks:

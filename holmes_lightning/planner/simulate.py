@@ -6,8 +6,9 @@ gradient transfer (same bytes, same link). The link from one stage to another ca
 order the receiving stage takes them (a pipeline's activations queue behind each other on a slow link, as they do on
 a real one).
 
-Point-to-point messages are rendezvous, in gloo as in NCCL: data moves once the sender has posted its send *and* the
-receiver its recv. How torch's schedules post and wait (`RENDEZVOUS`, `_gates`):
+Point-to-point messages are rendezvous: data moves once the sender has posted its send *and* the receiver its recv,
+except, on gloo, a message's first bytes, which the receiver's socket takes before (`early`: a message that fits
+crosses whole). How torch's schedules post and wait (`RENDEZVOUS`, `_gates`):
 
 - GPipe and 1F1B post an action's recv only when the stage is about to run it (after its previous action), so a
   transfer does not overlap the receiver's compute of the action before;
@@ -33,6 +34,7 @@ from functools import cache
 
 from holmes_lightning.planner.plan_types import StagePlan, locate_virtual, virtual_stage
 from holmes_lightning.planner.schedules import Action, stage_actions
+from holmes_lightning.planner.sharing import CoreSharing, settle
 
 RENDEZVOUS = {"GPipe": True, "1F1B": True, "Interleaved1F1B": False}  # recv posted just before its action?
 WAITS_THEN_POSTS = {"GPipe"}  # a gated action's recv is posted after the wait (1F1B: in the same batch)
@@ -191,9 +193,16 @@ class Replay:
         )
 
     def ends(
-        self, forward: Sequence[float], backward: Sequence[float], send: Sequence[float]
+        self,
+        forward: Sequence[float],
+        backward: Sequence[float],
+        send: Sequence[float],
+        durations: Sequence[float] | None = None,
+        early: Sequence[float] | None = None,
     ) -> tuple[list[float], list[float]]:
-        """End time of every action, and when each stage is done with its actions and sends (per virtual stage s)."""
+        """End time of every action, and when each stage is done with its actions and sends (seconds per virtual
+        stage; `durations`: per action instead, as `sharing.settle` stretches them; `early`: of each send, the
+        seconds that may run before the receiver posts its recv)."""
         pp, virtual, waits_for, transfer = self.pp, self.virtual, self.waits_for, self.transfer
         clock = [0.0] * pp
         link_free = [0.0] * (pp * pp)  # when each stage-to-stage link has sent what it carried so far
@@ -211,11 +220,14 @@ class Replay:
                 waiting = clock[virtual[i] % pp]  # the receiver posts its recv now
                 if waits_then_posts and self.gate[i] >= 0 and through[self.gate[i]] > waiting:
                     waiting = through[self.gate[i]]
-                if rendezvous and waiting > ready:
-                    ready = waiting
                 if link_free[link] > ready:
                     ready = link_free[link]
-                ready += send[transfer[i]]
+                seconds = send[transfer[i]]
+                ready += seconds
+                if rendezvous:  # what the receiver's socket cannot take before its recv moves after it
+                    late = waiting + seconds - (early[transfer[i]] if early is not None else 0.0)
+                    if late > ready:
+                        ready = late
                 link_free[link] = through[source] = arrival[i] = ready
                 continue
             k = virtual[step]
@@ -229,7 +241,10 @@ class Replay:
             gate = self.gate[step]
             if gate >= 0 and through[gate] > start:
                 start = through[gate]
-            end = start + (backward[k] if self.backward[step] else forward[k])
+            if durations is None:
+                end = start + (backward[k] if self.backward[step] else forward[k])
+            else:
+                end = start + durations[step]
             ends[step] = end
             after = self.after_gate[step]
             if after >= 0 and through[after] > end:
@@ -242,10 +257,20 @@ class Replay:
         return ends, clock
 
     def step_s(
-        self, forward: Sequence[float], backward: Sequence[float], send: Sequence[float], tail: Sequence[float]
+        self,
+        forward: Sequence[float],
+        backward: Sequence[float],
+        send: Sequence[float],
+        tail: Sequence[float],
+        sharing: CoreSharing | None = None,
+        early: Sequence[float] | None = None,
     ) -> float:
-        """The step's seconds: the latest stage end plus its tail (exposed sync and optimizer step)."""
-        _, clock = self.ends(forward, backward, send)
+        """The step's seconds: the latest stage end plus its tail (exposed sync and optimizer step); `sharing`: the
+        ranks share CPU cores (`planner.sharing`); `early`: as in `ends`."""
+        if sharing is not None and sharing.contended(self.pp):
+            _, _, clock = settle(self, forward, backward, send, sharing, early)
+        else:
+            _, clock = self.ends(forward, backward, send, early=early)
         return max(end + extra for end, extra in zip(clock, tail, strict=True))
 
 
@@ -275,20 +300,27 @@ def _last_sends(order: Sequence[Action], sends: Sequence[bool]) -> list[int]:
     ]
 
 
-def simulate(stages: Sequence[StagePlan], schedule: str, microbatches: int) -> Timeline:
-    """Replay one optimizer step of `stages` (each with per-chunk forward/backward/send seconds)."""
+def simulate(
+    stages: Sequence[StagePlan], schedule: str, microbatches: int, shared_cores: float | None = None
+) -> Timeline:
+    """Replay one optimizer step of `stages` (each with per-chunk forward/backward/send seconds); `shared_cores`: every
+    rank computes on this many CPU cores of one machine (`planner.sharing`)."""
     pp = len(stages)
     chunks = len(stages[0].chunks)
     replay = Replay.of(schedule, pp, microbatches, chunks)
     per_virtual = [(stages[stage], chunk) for stage, chunk in (locate_virtual(k, pp) for k in range(pp * chunks))]
-    ends, clock = replay.ends(
-        [stage.forward_s[j] for stage, j in per_virtual],
-        [stage.backward_s[j] for stage, j in per_virtual],
-        [stage.send_s[j] for stage, j in per_virtual],
-    )
+    forward = [stage.forward_s[j] for stage, j in per_virtual]
+    backward = [stage.backward_s[j] for stage, j in per_virtual]
+    send = [stage.send_s[j] for stage, j in per_virtual]
+    early = [stage.early_s[j] if stage.early_s else 0.0 for stage, j in per_virtual]
+    sharing = None if shared_cores is None else CoreSharing(shared_cores, len(stages[0].ranks))
+    if sharing is not None and sharing.contended(pp):
+        durations, ends, clock = settle(replay, forward, backward, send, sharing, early)
+    else:
+        ends, clock = replay.ends(forward, backward, send, early=early)
+        durations = [(backward if replay.backward[i] else forward)[k] for i, k in enumerate(replay.virtual)]
     blocks = []
-    for (s, action), end in zip(replay.actions, ends, strict=True):
-        seconds = (stages[s].backward_s if action.backward else stages[s].forward_s)[action.chunk]
+    for (s, action), end, seconds in zip(replay.actions, ends, durations, strict=True):
         kind = "backward" if action.backward else "forward"
         blocks.append(Block(s, kind, action.chunk, action.microbatch, end - seconds, end))
     synced = [clock[s] + stage.exposed_sync_s + stage.closing_s for s, stage in enumerate(stages)]

@@ -46,7 +46,7 @@ import holmes_lightning.runtime.nccl as nccl
 import holmes_lightning.runtime.resume as resume
 from holmes_lightning import calibration, planner
 from holmes_lightning.calibration import Calibration, handoff_latency_s
-from holmes_lightning.measure import first_sample, profile_modules, rank_share
+from holmes_lightning.measure import available_cores, first_sample, profile_modules, rank_share
 from holmes_lightning.planner import SCHEDULES, BatchSettings, LayerProfile, ModelProfile, Plan, PlanOptions, Sharding
 from holmes_lightning.planner.planner import LAYOUTS, SHARDINGS
 from holmes_lightning.planner.report import format_plan
@@ -378,14 +378,18 @@ class HolmesStrategy(ModelParallelStrategy):
     def _calibrate(
         self, sample: torch.Tensor, profile: ModelProfile, *, latency_s: float, group: dist.ProcessGroup | None
     ) -> Calibration:
-        """This rank's costs on the model (`calibration.measure`, cached per machine and model shape), at the share of
-        the device each of the processes on this host gets."""
+        """This rank's costs on the model (`calibration.measure`, cached per machine and model shape). CPU ranks
+        that all run on this host share its cores (the planner times that); spread over hosts, each is credited its
+        share of its host's cores."""
         module = self.lightning_module
         assert module is not None
         measured = calibration.measure(module.pipeline_layers(), sample, device=self.root_device, group=group)
+        if self.root_device.type != "cpu":
+            return Calibration.of(measured, profile, share=1.0, latency_s=latency_s)
         host_ranks = host_position(os.environ, self.local_rank, self.num_processes)[1]
-        share = rank_share(host_ranks) if self.root_device.type == "cpu" else 1.0
-        return Calibration.of(measured, profile, share=share, latency_s=latency_s)
+        if host_ranks == self.world_size:
+            return Calibration.of(measured, profile, share=1.0, latency_s=latency_s, shared_cores=available_cores())
+        return Calibration.of(measured, profile, share=rank_share(host_ranks), latency_s=latency_s)
 
     def _check_given_plan(self, given: Plan) -> Plan:
         assert self.topology is not None

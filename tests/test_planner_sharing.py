@@ -1,0 +1,87 @@
+"""Ranks that share CPU cores (`planner.sharing`): hand-computed steps, and what must hold on any pipeline."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from holmes_lightning.planner import BatchSettings, PlanOptions, plan, simulate
+from holmes_lightning.planner.profile import LayerProfile, ModelProfile
+from holmes_lightning.planner.sharing import CoreSharing, settle
+from holmes_lightning.planner.simulate import Replay
+from holmes_lightning.topology import Topology
+from tests.test_planner_simulate import passes, stages
+
+
+def test_one_core_runs_two_stages_of_gpipe_back_to_back():
+    """GPipe, 2 stages, 2 micro-batches, 1 s per pass, one core: whenever both stages have work they halve it, and
+    the core never idles, so the step is the 8 s of work (alone: 6 s)."""
+    timeline = simulate(stages([1.0, 1.0], [1.0, 1.0]), "GPipe", 2, shared_cores=1)
+    assert timeline.total_s == pytest.approx(8.0, rel=1e-4)
+    first, second = passes(timeline)
+    assert [round(end, 3) for *_, end in first] == [1.0, 3.0, 7.0, 8.0]  # F0 alone, F1 beside stage 1's F0, ...
+    assert [round(end, 3) for *_, end in second] == [3.0, 4.0, 5.0, 7.0]
+    assert simulate(stages([1.0, 1.0], [1.0, 1.0]), "GPipe", 2).total_s == 6.0
+
+
+def test_a_core_per_rank_changes_nothing():
+    alone = simulate(stages([1.0, 2.0, 1.5], [2.0, 3.0, 2.5], sends=[0.3, 0.2, 0.0]), "1F1B", 5)
+    shared = simulate(stages([1.0, 2.0, 1.5], [2.0, 3.0, 2.5], sends=[0.3, 0.2, 0.0]), "1F1B", 5, shared_cores=3)
+    assert shared == alone
+
+
+SCHEDULES = st.sampled_from([("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2)])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    schedule=SCHEDULES,
+    pp=st.integers(1, 4),
+    extra=st.integers(0, 4),
+    ranks=st.integers(1, 3),
+    cores=st.sampled_from([1, 2, 3, 4.5]),
+    seconds=st.lists(st.floats(0.1, 3.0), min_size=24, max_size=24),
+)
+def test_shared_cores_step_lies_between_every_rank_alone_and_every_rank_slowed(
+    schedule, pp, extra, ranks, cores, seconds
+):
+    """Sharing only slows a pass (no faster than alone), at worst to cores / ranks (all computing at once), and the
+    step holds at least all the work the cores must do."""
+    name, chunks = schedule
+    m = pp + extra if name == "Interleaved1F1B" else 1 + extra
+    replay = Replay.of(name, pp, m, chunks)
+    virtual = pp * chunks
+    forward, backward, send = seconds[:virtual], seconds[8 : 8 + virtual], [s / 4 for s in seconds[16 : 16 + virtual]]
+    sharing = CoreSharing(cores, ranks)
+    durations, _, clock = settle(replay, forward, backward, send, sharing)
+    slowest = max(1.0, ranks * pp / cores)
+    alone = [(backward if replay.backward[i] else forward)[k] for i, k in enumerate(replay.virtual)]
+    assert all(a * (1 - 1e-9) <= d <= a * slowest * (1 + 1e-9) for a, d in zip(alone, durations, strict=True))
+    assert max(clock) >= max(replay.ends(forward, backward, send)[1]) * (1 - 1e-9)
+    all_busy = replay.ends([f * slowest for f in forward], [b * slowest for b in backward], send)[1]
+    assert max(clock) <= max(all_busy) * (1 + 1e-6)
+    assert max(clock) >= ranks * sum(alone) / cores * (1 - 1e-3)
+
+
+def test_planner_predicts_with_the_sharing_it_was_given():
+    """A plan made for ranks on 2 shared cores is predicted by the shared simulator, and no slower than the same
+    job planned as if every rank computed at cores / ranks all the time."""
+    topology = Topology.from_config("two_cluster_mixed")
+    layers = (LayerProfile("embed", 1e9, 2e9, 4e6, 1e5, 2e5),) + tuple(
+        LayerProfile(f"block{i}", 4e10, 8e10, 8e6, 1e5, 4e5) for i in range(6)
+    )
+    profile = ModelProfile("toy", layers, tokens_per_sample=64)
+    batch = BatchSettings(16)
+    shared = plan(topology, profile, batch, PlanOptions(backend="gloo", pp=2, shared_cores=2))
+    assert shared.shared_cores == 2
+    replayed = simulate(shared.stages, shared.schedule, shared.microbatches, shared.shared_cores).total_s
+    assert shared.prediction.total_s == pytest.approx(replayed, rel=1e-9)
+    world = topology.world_size
+    slowed = plan(topology, profile, batch, PlanOptions(backend="gloo", pp=2, efficiency=0.5 * 2 / world))
+    assert shared.prediction.total_s <= slowed.prediction.total_s * (1 + 1e-6)
+
+
+def test_shared_cores_must_be_positive():
+    topology = Topology.from_config("two_cluster_mixed")
+    profile = ModelProfile("toy", (LayerProfile("a", 1e9, 2e9, 1e6, 1e5, 1e5),) * 4, tokens_per_sample=8)
+    with pytest.raises(ValueError, match="strategy.shared_cores"):
+        plan(topology, profile, BatchSettings(8), PlanOptions(shared_cores=0))
