@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from holmes_lightning.planner import BatchSettings, PlanOptions, plan, simulate
 from holmes_lightning.planner.profile import LayerProfile, ModelProfile
-from holmes_lightning.planner.sharing import CoreSharing, settle
+from holmes_lightning.planner.sharing import CoreSharing
 from holmes_lightning.planner.simulate import Replay
 from holmes_lightning.topology import Topology
 from tests.test_planner_simulate import passes, stages
@@ -47,12 +47,12 @@ def test_shared_cores_step_lies_between_every_rank_alone_and_every_rank_slowed(
     """Sharing only slows a pass (no faster than alone), at worst to cores / ranks (all computing at once), and the
     step holds at least all the work the cores must do."""
     name, chunks = schedule
-    m = pp + extra if name == "Interleaved1F1B" else 1 + extra
+    m = pp * (1 + extra // 2) if name == "Interleaved1F1B" else 1 + extra
     replay = Replay.of(name, pp, m, chunks)
     virtual = pp * chunks
     forward, backward, send = seconds[:virtual], seconds[8 : 8 + virtual], [s / 4 for s in seconds[16 : 16 + virtual]]
     sharing = CoreSharing(cores, ranks)
-    durations, _, clock = settle(replay, forward, backward, send, sharing)
+    durations, _, clock = replay.shared(forward, backward, send, sharing)
     slowest = max(1.0, ranks * pp / cores)
     alone = [(backward if replay.backward[i] else forward)[k] for i, k in enumerate(replay.virtual)]
     assert all(a * (1 - 1e-9) <= d <= a * slowest * (1 + 1e-9) for a, d in zip(alone, durations, strict=True))
@@ -73,8 +73,8 @@ def test_planner_predicts_with_the_sharing_it_was_given():
     batch = BatchSettings(16)
     shared = plan(topology, profile, batch, PlanOptions(backend="gloo", pp=2, shared_cores=2))
     assert shared.shared_cores == 2
-    replayed = simulate(shared.stages, shared.schedule, shared.microbatches, shared.shared_cores).total_s
-    assert shared.prediction.total_s == pytest.approx(replayed, rel=1e-9)
+    replayed = simulate(shared.stages, shared.schedule, shared.microbatches, shared.shared_cores, shared.backend)
+    assert shared.prediction.total_s == pytest.approx(replayed.total_s, rel=1e-9)
     world = topology.world_size
     slowed = plan(topology, profile, batch, PlanOptions(backend="gloo", pp=2, efficiency=0.5 * 2 / world))
     assert shared.prediction.total_s <= slowed.prediction.total_s * (1 + 1e-6)

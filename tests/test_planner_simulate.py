@@ -95,6 +95,16 @@ def test_transfers_start_when_the_receiver_posts_its_recv():
     assert timeline.stage_end_s == pytest.approx((18.0, 17.0))
 
 
+def test_buffered_sends_are_done_once_the_recv_is_posted():
+    # The GPipe case above on gloo, whose send is done when both sides have posted (its data left to the sockets).
+    # Transfers and passes are timed as before; stage 1's last send (B1's gradient, posted at 11, recv posted at 14)
+    # is done at 14, not when it arrives (17), so stage 1 ends at 14.
+    unbuffered = simulate(stages([1.0, 1.0], [1.0, 1.0], sends=[3.0, 0.0]), "GPipe", 2)
+    timeline = simulate(stages([1.0, 1.0], [1.0, 1.0], sends=[3.0, 0.0]), "GPipe", 2, backend="gloo")
+    assert passes(timeline) == passes(unbuffered)
+    assert timeline.stage_end_s == pytest.approx((18.0, 14.0))
+
+
 def test_early_bytes_cross_before_the_recv_is_posted():
     # The GPipe case above with the first third of each transfer (1 of 3) crossing before the recv (gloo). F1's
     # activation, sent at 2, starts when the link is free (4): its early part [4,5], the rest after the recv posted at

@@ -11,7 +11,7 @@ from holmes_lightning.planner.layout import Layout, StageHardware
 from holmes_lightning.planner.plan_types import StagePlan, StepPrediction, locate_virtual, virtual_stage
 from holmes_lightning.planner.schedules import peak_stash
 from holmes_lightning.planner.sharing import CoreSharing
-from holmes_lightning.planner.simulate import Replay, simulate
+from holmes_lightning.planner.simulate import BUFFERED_BACKENDS, Replay, simulate
 
 GB = 1e9
 
@@ -54,6 +54,7 @@ class Candidate:
         self.sharing = None if cores is None else CoreSharing(cores, self.layout.dp)
         # the optimizer step (and a pass without pipeline) runs while every rank computes
         self.all_busy = 1.0 if cores is None else max(1.0, pp * self.layout.dp / cores)
+        self.buffered = self.cost.backend in BUFFERED_BACKENDS
         self.orders = self.replay.orders
         self.in_flight = [peak_stash(order, [1.0] * self.chunks) for order in self.orders]
         self.shapes = PathShapes.of(self.schedule, pp, self.microbatches, self.chunks)
@@ -205,7 +206,7 @@ class Candidate:
             layers = sum(b - a for a, b in (ranges[k] for k in own))
             tails.append(self.tail_s(s, params, layers, sum(forward[k] + backward[k] for k in own)))
         early = [self.early_s(v, b) for v, (_, b) in enumerate(ranges)]
-        return self.replay.step_s(forward, backward, send, tails, self.sharing, early)
+        return self.replay.step_s(forward, backward, send, tails, self.sharing, early, self.buffered)
 
     def stage_plans(self, counts: Sequence[int]) -> list[StagePlan]:
         """Exact per-chunk seconds, transfers, syncs and memory for layers per virtual stage `counts`."""
@@ -251,9 +252,9 @@ class Candidate:
     def predict(self, stages: list[StagePlan]) -> StepPrediction:
         """Simulate the step and split the stage that finishes last into compute, sync, transfers and bubble."""
         m, profile, cores = self.microbatches, self.cost.profile, self.cost.shared_cores
-        timeline = simulate(stages, self.schedule, m, cores)
+        timeline = simulate(stages, self.schedule, m, cores, self.cost.backend)
         silent = [replace(s, send_s=tuple(0.0 for _ in s.send_s), early_s=()) for s in stages]
-        no_transfers = simulate(silent, self.schedule, m, cores)
+        no_transfers = simulate(silent, self.schedule, m, cores, self.cost.backend)
         total = timeline.total_s
         last = max(range(len(stages)), key=lambda s: timeline.stage_end_s[s])
         compute = sum(b.end - b.start for b in timeline.stage_blocks(last) if b.kind in ("forward", "backward"))

@@ -26,10 +26,7 @@ def draw_plans(plans: dict[str, Plan], topology: Topology, path: str | Path, tim
     holmes = plans["holmes"]
     _cluster_map(figure.add_subplot(rows[0, 0]), topology, holmes)
     _throughput(figure.add_subplot(rows[0, 1]), plans)
-    horizon = max(
-        simulate(plans[n].stages, plans[n].schedule, plans[n].microbatches, plans[n].shared_cores).total_s
-        for n in shown
-    )
+    horizon = max(plans[n].prediction.total_s for n in shown)  # the simulated step of each
     for row, name in enumerate(shown, start=1):
         _timeline(figure.add_subplot(rows[row, :]), name, plans[name], horizon)
     figure.suptitle(
@@ -94,7 +91,7 @@ def _throughput(axes, plans: dict[str, Plan]) -> None:
 
 def _timeline(axes, name: str, plan: Plan, horizon: float) -> None:
     """One row per stage (stage 0 on top): forward and backward blocks per micro-batch, then the exposed sync."""
-    timeline = simulate(plan.stages, plan.schedule, plan.microbatches, plan.shared_cores)
+    timeline = simulate(plan.stages, plan.schedule, plan.microbatches, plan.shared_cores, plan.backend)
     for block in timeline.blocks:
         colour = {"forward": FORWARD, "backward": BACKWARD, "sync": SYNC, "optimizer": OPTIMIZER}[block.kind]
         y = plan.pp - 1 - block.stage

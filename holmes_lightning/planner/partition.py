@@ -258,7 +258,7 @@ class _Search:
         tails = [path.tails[s] for s in range(self.pp)]
         c = self.candidate
         early = [c.early_s(v, path.stops[v]) for v in range(self.virtual)]
-        step = c.replay.step_s(path.forward, path.backward, path.send, tails, c.sharing, early)
+        step = c.replay.step_s(path.forward, path.backward, path.send, tails, c.sharing, early, c.buffered)
         self.stats.simulated += 1
         if step < self.bar:
             self.best = (counts, step)

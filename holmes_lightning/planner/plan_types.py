@@ -91,7 +91,8 @@ class Plan:
     `sharding` is the resolved choice (fsdp or none). `rdma`: the job's communicators use their RDMA fabrics (False:
     every one runs on TCP sockets, as a NIC-unaware job holding IB and RoCE must). `pp_links[d]` is the slowest link
     of DP column d's pipeline group (the ranks with dp index d, one per stage); each stage's own group is `dp_link`.
-    `shared_cores`: the ranks were planned as sharing this many CPU cores (`planner.sharing`; None: a device each).
+    `shared_cores`: the ranks were planned as sharing this many CPU cores (`planner.sharing`; None: a device each);
+    `backend`: the collective library it was planned for.
     """
 
     layout: str
@@ -108,6 +109,7 @@ class Plan:
     rdma: bool = True
     pp_links: tuple[LinkKind, ...] = ()
     shared_cores: float | None = None
+    backend: str = "nccl"
     version: int = PLAN_VERSION
 
     @property

@@ -224,6 +224,7 @@ def _as_plan(candidate: Candidate, counts: tuple[int, ...], options: PlanOptions
         rdma=layout.rdma,
         pp_links=pipeline_links(candidate.cost.topology, layout),
         shared_cores=candidate.cost.shared_cores,
+        backend=candidate.cost.backend,
     )
 
 

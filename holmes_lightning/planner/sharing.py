@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from holmes_lightning.planner.simulate import Replay
+Timing = tuple[list[float], list[float]]  # every action's end, every stage's clock
 
 ROUNDS = 40  # fixed-point rounds at most; a step's timeline settles in a few
 TOLERANCE = 1e-6  # relative change of the step below which it has settled
@@ -38,25 +36,22 @@ class CoreSharing:
 
 
 def settle(
-    replay: Replay,
-    forward: Sequence[float],
-    backward: Sequence[float],
-    send: Sequence[float],
-    sharing: CoreSharing,
-    early: Sequence[float] | None = None,
+    alone: Sequence[float], pp: int, sharing: CoreSharing, timed: Callable[[Sequence[float]], Timing]
 ) -> tuple[list[float], list[float], list[float]]:
-    """Every action's seconds under `sharing` and the timeline they give: (durations, action ends, stage clocks);
-    `early` as in `Replay.ends`."""
-    alone = [(backward if replay.backward[i] else forward)[k] for i, k in enumerate(replay.virtual)]
-    all_busy = max(1.0, sharing.ranks_per_stage * replay.pp / sharing.cores)
+    """Every action's seconds under `sharing` and the timeline they give: (durations, action ends, stage clocks).
+
+    `alone`: each action's seconds at its rank's speed alone; `timed`: the action ends and stage clocks of per-action
+    durations (`Replay.ends`).
+    """
+    all_busy = max(1.0, sharing.ranks_per_stage * pp / sharing.cores)
     durations = [seconds * all_busy for seconds in alone]  # start from every rank computing at once
-    ends, clock = replay.ends(forward, backward, send, durations, early)
+    ends, clock = timed(durations)
     step = max(clock)
     for _ in range(ROUNDS):
         starts = [end - seconds for end, seconds in zip(ends, durations, strict=True)]
         moved = _stretched(starts, alone, ends, sharing)
         durations = [(old + new) / 2 for old, new in zip(durations, moved, strict=True)]  # damped: no ping-pong
-        ends, clock = replay.ends(forward, backward, send, durations, early)
+        ends, clock = timed(durations)
         previous, step = step, max(clock)
         if abs(step - previous) <= TOLERANCE * step:
             break

@@ -37,6 +37,7 @@ from holmes_lightning.planner.schedules import Action, stage_actions
 from holmes_lightning.planner.sharing import CoreSharing, settle
 
 RENDEZVOUS = {"GPipe": True, "1F1B": True, "Interleaved1F1B": False}  # recv posted just before its action?
+BUFFERED_BACKENDS = {"gloo"}  # a send is done once both sides have posted (gloo's TCP sockets take its data)
 WAITS_THEN_POSTS = {"GPipe"}  # a gated action's recv is posted after the wait (1F1B: in the same batch)
 
 
@@ -199,17 +200,19 @@ class Replay:
         send: Sequence[float],
         durations: Sequence[float] | None = None,
         early: Sequence[float] | None = None,
+        buffered: bool = False,
     ) -> tuple[list[float], list[float]]:
         """End time of every action, and when each stage is done with its actions and sends (seconds per virtual
         stage; `durations`: per action instead, as `sharing.settle` stretches them; `early`: of each send, the
-        seconds that may run before the receiver posts its recv)."""
+        seconds that may run before the receiver posts its recv; `buffered`: a send is done once both sides have
+        posted, its data left to the sockets (gloo), else once the data has arrived (NCCL))."""
         pp, virtual, waits_for, transfer = self.pp, self.virtual, self.waits_for, self.transfer
         clock = [0.0] * pp
         link_free = [0.0] * (pp * pp)  # when each stage-to-stage link has sent what it carried so far
         n = len(self.actions)
         ends = [0.0] * n
         posted = [0.0] * n  # when the stage moved on after each action, i.e. posted its send
-        through = [0.0] * n  # when each action's send reached its receiver
+        through = [0.0] * n  # when each action's send was done for its sender
         arrival = [0.0] * n  # when each action's input arrived
         rendezvous, waits_then_posts = self.rendezvous, self.waits_then_posts
         for step in self.steps:
@@ -228,7 +231,13 @@ class Replay:
                     late = waiting + seconds - (early[transfer[i]] if early is not None else 0.0)
                     if late > ready:
                         ready = late
-                link_free[link] = through[source] = arrival[i] = ready
+                link_free[link] = arrival[i] = ready
+                if not buffered:
+                    through[source] = ready
+                elif rendezvous and waiting > posted[source]:
+                    through[source] = waiting
+                else:
+                    through[source] = posted[source]
                 continue
             k = virtual[step]
             stage = k % pp  # locate_virtual(k, pp)[0], inlined: this loop times every action of every split
@@ -256,6 +265,21 @@ class Replay:
                     clock[stage] = through[gate]
         return ends, clock
 
+    def shared(
+        self,
+        forward: Sequence[float],
+        backward: Sequence[float],
+        send: Sequence[float],
+        sharing: CoreSharing,
+        early: Sequence[float] | None = None,
+        buffered: bool = False,
+    ) -> tuple[list[float], list[float], list[float]]:
+        """`ends` with the ranks sharing CPU cores (`sharing.settle`): every action's seconds, ends, stage clocks."""
+        alone = [(backward if self.backward[i] else forward)[k] for i, k in enumerate(self.virtual)]
+        return settle(
+            alone, self.pp, sharing, lambda durations: self.ends(forward, backward, send, durations, early, buffered)
+        )
+
     def step_s(
         self,
         forward: Sequence[float],
@@ -264,13 +288,14 @@ class Replay:
         tail: Sequence[float],
         sharing: CoreSharing | None = None,
         early: Sequence[float] | None = None,
+        buffered: bool = False,
     ) -> float:
         """The step's seconds: the latest stage end plus its tail (exposed sync and optimizer step); `sharing`: the
-        ranks share CPU cores (`planner.sharing`); `early`: as in `ends`."""
+        ranks share CPU cores (`planner.sharing`); `early`, `buffered`: as in `ends`."""
         if sharing is not None and sharing.contended(self.pp):
-            _, _, clock = settle(self, forward, backward, send, sharing, early)
+            _, _, clock = self.shared(forward, backward, send, sharing, early, buffered)
         else:
-            _, clock = self.ends(forward, backward, send, early=early)
+            _, clock = self.ends(forward, backward, send, early=early, buffered=buffered)
         return max(end + extra for end, extra in zip(clock, tail, strict=True))
 
 
@@ -301,10 +326,16 @@ def _last_sends(order: Sequence[Action], sends: Sequence[bool]) -> list[int]:
 
 
 def simulate(
-    stages: Sequence[StagePlan], schedule: str, microbatches: int, shared_cores: float | None = None
+    stages: Sequence[StagePlan],
+    schedule: str,
+    microbatches: int,
+    shared_cores: float | None = None,
+    backend: str = "nccl",
 ) -> Timeline:
     """Replay one optimizer step of `stages` (each with per-chunk forward/backward/send seconds); `shared_cores`: every
-    rank computes on this many CPU cores of one machine (`planner.sharing`)."""
+    rank computes on this many CPU cores of one machine (`planner.sharing`); on `backend` gloo sends are buffered
+    (`Replay.ends`)."""
+    buffered = backend in BUFFERED_BACKENDS
     pp = len(stages)
     chunks = len(stages[0].chunks)
     replay = Replay.of(schedule, pp, microbatches, chunks)
@@ -315,9 +346,9 @@ def simulate(
     early = [stage.early_s[j] if stage.early_s else 0.0 for stage, j in per_virtual]
     sharing = None if shared_cores is None else CoreSharing(shared_cores, len(stages[0].ranks))
     if sharing is not None and sharing.contended(pp):
-        durations, ends, clock = settle(replay, forward, backward, send, sharing, early)
+        durations, ends, clock = replay.shared(forward, backward, send, sharing, early, buffered)
     else:
-        ends, clock = replay.ends(forward, backward, send, early=early)
+        ends, clock = replay.ends(forward, backward, send, early=early, buffered=buffered)
         durations = [(backward if replay.backward[i] else forward)[k] for i, k in enumerate(replay.virtual)]
     blocks = []
     for (s, action), end, seconds in zip(replay.actions, ends, durations, strict=True):
