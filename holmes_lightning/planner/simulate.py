@@ -8,7 +8,8 @@ a real one).
 
 Point-to-point messages are rendezvous: data moves once the sender has posted its send *and* the receiver its recv,
 except, on gloo, a message's first bytes, which the receiver's socket takes before (`early`: a message that fits
-crosses whole). How torch's schedules post and wait (`RENDEZVOUS`, `_gates`):
+crosses whole). A send is done for its sender when the data has arrived (NCCL) or, on gloo, as soon as both sides
+have posted, the sockets taking the data (`buffered`). How torch's schedules post and wait (`RENDEZVOUS`, `_gates`):
 
 - GPipe and 1F1B post an action's recv only when the stage is about to run it (after its previous action), so a
   transfer does not overlap the receiver's compute of the action before;
