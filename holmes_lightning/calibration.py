@@ -144,6 +144,25 @@ class Calibration:
             shared_cores=options.shared_cores if self.shared_cores is None else self.shared_cores,
         )
 
+    def as_devices(self, world_size: int) -> Calibration:
+        """These costs (measured for ranks sharing `shared_cores` cores) as `world_size` ranks of a device each, every
+        one at its share of the cores while all compute: a GPU cluster as the lab emulates it."""
+        if self.shared_cores is None:
+            return self
+        share = min(1.0, self.shared_cores / world_size) * self.share
+        slower = self.share / share
+        return replace(
+            self,
+            share=share,
+            device_tflops=self.device_tflops / slower,
+            layer_overhead_s=self.layer_overhead_s * slower,
+            optimizer_s_per_gb=self.optimizer_s_per_gb * slower,
+            fsdp_layer_s=self.fsdp_layer_s * slower,
+            fsdp_reshard_layer_s=self.fsdp_reshard_layer_s * slower,
+            fsdp_optimizer_layer_s=self.fsdp_optimizer_layer_s * slower,
+            shared_cores=None,
+        )
+
     def _sharing(self) -> str:
         if self.shared_cores is not None:
             return f"every rank on {self.shared_cores:g} shared cores, slower while more compute at once"

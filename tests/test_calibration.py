@@ -62,6 +62,15 @@ def stranger_layers() -> list[nn.Module]:
     return [nn.Linear(6, 16), *(nn.Sequential(nn.Linear(16, 16), Scale(16)) for _ in range(3)), nn.Linear(16, 2)]
 
 
+def test_ranks_on_shared_cores_are_planned_alone_or_as_devices_at_their_share():
+    profile = three_layers()
+    shared = Calibration.of(MEASURED, profile, share=1.0, latency_s=1e-3, shared_cores=2)
+    assert shared.plan_options(PlanOptions()).shared_cores == 2
+    devices = shared.as_devices(4)  # four ranks, each half of one of the two cores while all compute
+    assert devices == Calibration.of(MEASURED, profile, share=0.5, latency_s=1e-3)
+    assert devices.plan_options(PlanOptions(shared_cores=3)).shared_cores == 3  # none measured: the request's stays
+
+
 def test_each_distinct_layer_is_timed_once_and_the_result_is_cached(tmp_path, monkeypatch):
     monkeypatch.setenv(calibration.CACHE_ENV, str(tmp_path))
     layers = stranger_layers()

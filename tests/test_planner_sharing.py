@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from holmes_lightning.planner import BatchSettings, PlanOptions, plan, simulate
+from holmes_lightning.planner import BatchSettings, PlanOptions, on_shared_cores, plan, simulate
 from holmes_lightning.planner.profile import LayerProfile, ModelProfile
 from holmes_lightning.planner.sharing import CoreSharing
 from holmes_lightning.planner.simulate import Replay
@@ -85,3 +85,18 @@ def test_shared_cores_must_be_positive():
     profile = ModelProfile("toy", (LayerProfile("a", 1e9, 2e9, 1e6, 1e5, 1e5),) * 4, tokens_per_sample=8)
     with pytest.raises(ValueError, match="strategy.shared_cores"):
         plan(topology, profile, BatchSettings(8), PlanOptions(shared_cores=0))
+
+
+def test_a_plan_for_a_device_per_rank_runs_no_slower_on_shared_cores():
+    """A plan made for 4 devices each at half of one of 2 cores, run with the 4 ranks sharing the 2 cores: same layout,
+    no slower (a rank computing alone gets a whole core), and no faster than all its work on 2 cores."""
+    topology = Topology.from_config("two_cluster_mixed")
+    layers = tuple(LayerProfile(f"block{i}", 4e10, 8e10, 8e6, 1e6, 4e6) for i in range(6))
+    profile = ModelProfile("toy", layers, tokens_per_sample=64)
+    devices = plan(topology, profile, BatchSettings(16), PlanOptions(backend="gloo", pp=2, efficiency=0.25))
+    shared = on_shared_cores(devices, profile, cores=2, share=0.5)
+    assert [s.ranks for s in shared.stages] == [s.ranks for s in devices.stages]
+    assert shared.prediction.total_s <= devices.prediction.total_s * (1 + 1e-9)
+    work = sum(len(s.ranks) * shared.microbatches * (sum(s.forward_s) + sum(s.backward_s)) for s in shared.stages)
+    assert shared.prediction.total_s >= work / 2 * (1 - 1e-3)
+    assert shared.shared_cores == 2

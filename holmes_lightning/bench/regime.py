@@ -159,7 +159,8 @@ def evaluate(
     match: RegimeMatch,
 ) -> Candidate | None:
     """The lab job's predicted shares and ratios at the calibration's bandwidth scale (None: it cannot be planned)."""
-    lab = lab_topology(hybrid, calibration.bandwidth_scale, calibration.device_tflops)
+    devices = calibration.as_devices(hybrid.world_size)  # the shares are the emulated cluster's, a device per rank
+    lab = lab_topology(hybrid, devices.bandwidth_scale, devices.device_tflops)
     try:
         plans = plan_alternatives(lab, profile, BatchSettings(global_batch), options=options, names=MATCHED_RUNS)
     except ValueError:  # PlanError, or an alternative without a plan: not a candidate
@@ -201,7 +202,7 @@ def derive(
         for seq_len in match.seq_lens:
             model = lab_model(match, d_model, seq_len)
             profile, measured = calibrate(model)
-            options = lab_options(requested, measured)
+            options = lab_options(requested, measured.as_devices(hybrid.world_size))
             for global_batch in match.global_batches:
                 found = [
                     evaluate(

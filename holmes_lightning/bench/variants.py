@@ -8,7 +8,16 @@ from dataclasses import dataclass, replace
 from holmes_lightning.bench.calibrate import lab_topology, with_slow_cluster
 from holmes_lightning.bench.config import FREE_CHOICE, BenchSettings
 from holmes_lightning.calibration import Calibration
-from holmes_lightning.planner import BatchSettings, ModelProfile, Plan, PlanOptions, Sharding, compare, plan
+from holmes_lightning.planner import (
+    BatchSettings,
+    ModelProfile,
+    Plan,
+    PlanOptions,
+    Sharding,
+    compare,
+    on_shared_cores,
+    plan,
+)
 from holmes_lightning.topology import Topology
 
 REFERENCE = "holmes_hybrid"
@@ -114,8 +123,11 @@ def plan_alternatives(
 def plan_variants(
     hardware: Hardware, profile: ModelProfile, settings: BenchSettings, requested: PlanOptions
 ) -> list[Variant]:
-    """Every requested variant with the plan the planner makes for it on the calibrated lab hardware."""
+    """Every requested variant with the plan the planner makes for it on the cluster the lab emulates (a device per
+    rank, each at its share of this machine's cores), predicted as it runs here (the ranks share the cores)."""
     batch = BatchSettings(settings.global_batch)
+    measured = hardware.calibration
+    hardware = replace(hardware, calibration=measured.as_devices(hardware.hybrid.world_size))
     options = lab_options(requested, hardware.calibration)
     hybrid_runs = [name for name in settings.variants if name in HYBRID_RUNS]
     plans = plan_alternatives(hardware.lab(hardware.hybrid), profile, batch, options=options, names=hybrid_runs)
@@ -128,7 +140,14 @@ def plan_variants(
             name=name,
             strategy=name if name in LIGHTNING_STRATEGIES else "holmes",
             topology=networks.get(name, hardware.hybrid),
-            plan=plans[name],
+            plan=_as_run_here(plans[name], profile, measured, hardware.calibration),
         )
         for name in settings.variants
     ]
+
+
+def _as_run_here(planned: Plan, profile: ModelProfile, measured: Calibration, devices: Calibration) -> Plan:
+    """`planned` (for a device per rank) predicted with the ranks sharing this machine's cores, as the lab runs it."""
+    if measured.shared_cores is None:
+        return planned
+    return on_shared_cores(planned, profile, cores=measured.shared_cores, share=devices.share / measured.share)

@@ -2,7 +2,7 @@
 
 from holmes_lightning.planner.cost import CostModel
 from holmes_lightning.planner.plan_types import Plan, Sharding, StagePlan, StepPrediction
-from holmes_lightning.planner.planner import BatchSettings, PlanError, PlanOptions, compare, plan
+from holmes_lightning.planner.planner import BatchSettings, PlanError, PlanOptions, compare, on_shared_cores, plan
 from holmes_lightning.planner.profile import LayerProfile, ModelProfile
 from holmes_lightning.planner.schedules import SCHEDULES
 from holmes_lightning.planner.simulate import Block, Timeline, simulate
@@ -22,6 +22,7 @@ __all__ = [
     "StepPrediction",
     "Timeline",
     "compare",
+    "on_shared_cores",
     "plan",
     "simulate",
 ]

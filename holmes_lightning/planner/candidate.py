@@ -9,6 +9,7 @@ from holmes_lightning.planner.bounds import PathShapes
 from holmes_lightning.planner.cost import CostModel
 from holmes_lightning.planner.layout import Layout, StageHardware
 from holmes_lightning.planner.plan_types import StagePlan, StepPrediction, locate_virtual, virtual_stage
+from holmes_lightning.planner.profile import ModelProfile
 from holmes_lightning.planner.schedules import peak_stash
 from holmes_lightning.planner.sharing import CoreSharing
 from holmes_lightning.planner.simulate import BUFFERED_BACKENDS, Replay, simulate
@@ -250,30 +251,43 @@ class Candidate:
         return plans
 
     def predict(self, stages: list[StagePlan]) -> StepPrediction:
-        """Simulate the step and split the stage that finishes last into compute, sync, transfers and bubble."""
-        m, profile, cores = self.microbatches, self.cost.profile, self.cost.shared_cores
-        timeline = simulate(stages, self.schedule, m, cores, self.cost.backend)
-        silent = [replace(s, send_s=tuple(0.0 for _ in s.send_s), early_s=()) for s in stages]
-        no_transfers = simulate(silent, self.schedule, m, cores, self.cost.backend)
-        total = timeline.total_s
-        last = max(range(len(stages)), key=lambda s: timeline.stage_end_s[s])
-        compute = sum(b.end - b.start for b in timeline.stage_blocks(last) if b.kind in ("forward", "backward"))
-        sync, update = stages[last].exposed_sync_s + stages[last].closing_s, stages[last].update_s
-        p2p = max(min(total - no_transfers.total_s, total - compute - sync - update), 0.0)
-        samples = m * self.microbatch_size * self.layout.dp
-        world = self.layout.pp * self.layout.dp
-        per_s = 1 / total if total > 0 else 0.0  # a profile without costs predicts nothing
-        return StepPrediction(
-            total_s=total,
-            compute_s=compute,
-            dp_sync_s=sync,
-            p2p_s=p2p,
-            optimizer_s=update,
-            bubble_s=max(total - compute - sync - p2p - update, 0.0),
-            tokens_per_s=samples * profile.tokens_per_sample * per_s,
-            tflops_per_device=profile.flops_per_sample * samples * per_s / world / 1e12,
-            memory_gb=max(s.memory_gb for s in stages),
-        )
+        m, size, cost = self.microbatches, self.microbatch_size, self.cost
+        return predict_step(stages, self.schedule, m, size, cost.profile, cost.shared_cores, cost.backend)
+
+
+def predict_step(
+    stages: Sequence[StagePlan],
+    schedule: str,
+    microbatches: int,
+    microbatch_size: int,
+    profile: ModelProfile,
+    shared_cores: float | None,
+    backend: str,
+) -> StepPrediction:
+    """Simulate the step and split the stage that finishes last into compute, sync, transfers and bubble."""
+    m, dp = microbatches, len(stages[0].ranks)
+    timeline = simulate(stages, schedule, m, shared_cores, backend)
+    silent = [replace(s, send_s=tuple(0.0 for _ in s.send_s), early_s=()) for s in stages]
+    no_transfers = simulate(silent, schedule, m, shared_cores, backend)
+    total = timeline.total_s
+    last = max(range(len(stages)), key=lambda s: timeline.stage_end_s[s])
+    compute = sum(b.end - b.start for b in timeline.stage_blocks(last) if b.kind in ("forward", "backward"))
+    sync, update = stages[last].exposed_sync_s + stages[last].closing_s, stages[last].update_s
+    p2p = max(min(total - no_transfers.total_s, total - compute - sync - update), 0.0)
+    samples = m * microbatch_size * dp
+    world = len(stages) * dp
+    per_s = 1 / total if total > 0 else 0.0  # a profile without costs predicts nothing
+    return StepPrediction(
+        total_s=total,
+        compute_s=compute,
+        dp_sync_s=sync,
+        p2p_s=p2p,
+        optimizer_s=update,
+        bubble_s=max(total - compute - sync - p2p - update, 0.0),
+        tokens_per_s=samples * profile.tokens_per_sample * per_s,
+        tflops_per_device=profile.flops_per_sample * samples * per_s / world / 1e12,
+        memory_gb=max(s.memory_gb for s in stages),
+    )
 
 
 def virtual_stages(stage: int, chunks: int, pp: int) -> list[int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from holmes_lightning.planner.candidate import GB, Candidate, RangeCosts
+from holmes_lightning.planner.candidate import GB, Candidate, RangeCosts, predict_step
 from holmes_lightning.planner.cost import CostModel
 from holmes_lightning.planner.layout import (
     Layout,
@@ -226,6 +226,24 @@ def _as_plan(candidate: Candidate, counts: tuple[int, ...], options: PlanOptions
         shared_cores=candidate.cost.shared_cores,
         backend=candidate.cost.backend,
     )
+
+
+def on_shared_cores(plan_: Plan, profile: ModelProfile, *, cores: float, share: float) -> Plan:
+    """`plan_` (planned for a device per rank, each computing at `share` of one of these cores) as it runs with every
+    rank on `cores` CPU cores of one machine: the same layout, its passes at their speed alone while no more ranks than
+    cores compute (`planner.sharing`), predicted again."""
+    stages = tuple(
+        replace(
+            stage,
+            forward_s=tuple(seconds * share for seconds in stage.forward_s),
+            backward_s=tuple(seconds * share for seconds in stage.backward_s),
+        )
+        for stage in plan_.stages
+    )
+    prediction = predict_step(
+        stages, plan_.schedule, plan_.microbatches, plan_.microbatch_size, profile, cores, plan_.backend
+    )
+    return replace(plan_, stages=stages, prediction=prediction, shared_cores=cores)
 
 
 def compare(
