@@ -14,8 +14,9 @@ emulated network: Holmes on the hybrid cluster, on its homogeneous limit (`Topol
 NIC-unaware (Megatron, all-TCP) layout; Lightning's FSDP2 (ModelParallelStrategy) and DDPStrategy over all ranks;
 Holmes with auto and with uniform partition on the cluster with one slower NIC. Per step the slowest rank's time
 counts; warm-up steps are dropped; the median is reported, with the share of the machine's cores other work took
-meanwhile. The prediction next to each run is the planner's, on the lab's hardware: a rank's costs measured on this
-machine at the start of the run (`holmes_lightning.calibration`, kept in the run directory unless
+meanwhile. Each run's plan is the planner's for the cluster the lab emulates (a device per rank at its share of the
+cores) and its prediction is for the run here, the ranks sharing the cores (`planner.sharing`): a rank's costs
+measured on this machine at the start of the run (`holmes_lightning.calibration`, kept in the run directory unless
 HOLMES_CALIBRATION_DIR says otherwise), every link at its configured speed x the bandwidth scale the lab shapes it
 with. `bench.trace=true` writes a torch profiler trace per rank of the first measured step. Writes <bench name>.md,
 .json and .png into the run directory (outputs/bench/<time>/) and prints the table.
