@@ -161,8 +161,8 @@ def test_no_expressible_plan_is_faster_than_the_returned_one(topology, request, 
     chosen = plan(topology, model, batch, options)
     assert chosen.prediction.total_s <= best * (1 + 1e-9)
     assert chosen.prediction.total_s == pytest.approx(best, rel=1e-9), "the search found the best plan"
-    replayed = simulate(chosen.stages, chosen.schedule, chosen.microbatches).total_s
-    assert replayed == pytest.approx(chosen.prediction.total_s, rel=1e-12)
+    replayed = simulate(chosen.stages, chosen.schedule, chosen.microbatches, chosen.shared_cores, chosen.backend)
+    assert replayed.total_s == pytest.approx(chosen.prediction.total_s, rel=1e-12)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
