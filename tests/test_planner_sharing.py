@@ -54,7 +54,7 @@ def test_shared_cores_step_lies_between_every_rank_alone_and_every_rank_slowed(
     sharing = CoreSharing(cores, ranks)
     durations, _, clock = replay.shared(forward, backward, send, sharing)
     slowest = max(1.0, ranks * pp / cores)
-    alone = [(backward if replay.backward[i] else forward)[k] for i, k in enumerate(replay.virtual)]
+    alone = replay.seconds(forward, backward)
     assert all(a * (1 - 1e-9) <= d <= a * slowest * (1 + 1e-9) for a, d in zip(alone, durations, strict=True))
     assert max(clock) >= max(replay.ends(forward, backward, send)[1]) * (1 - 1e-9)
     all_busy = replay.ends([f * slowest for f in forward], [b * slowest for b in backward], send)[1]

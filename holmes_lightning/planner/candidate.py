@@ -54,7 +54,7 @@ class Candidate:
         cores = self.cost.shared_cores
         self.sharing = None if cores is None else CoreSharing(cores, self.layout.dp)
         # the optimizer step (and a pass without pipeline) runs while every rank computes
-        self.all_busy = 1.0 if cores is None else max(1.0, pp * self.layout.dp / cores)
+        self.all_busy = 1.0 if self.sharing is None else self.sharing.all_busy(pp)
         self.buffered = self.cost.backend in BUFFERED_BACKENDS
         self.orders = self.replay.orders
         self.in_flight = [peak_stash(order, [1.0] * self.chunks) for order in self.orders]
@@ -82,6 +82,8 @@ class Candidate:
         self.slowdown = [fastest / tflops for tflops in self.hardware.tflops]
         self._activation = [layer.activation_bytes * mb for layer in layers]
         self._least_activation = min(self._activation[:-1], default=0.0)  # a stage never ends at the last layer but one
+        # the link out of each virtual stage to the next (None: the last sends nothing)
+        self._out_links = [hardware.send_links[locate_virtual(v, pp)[0]] for v in range(self.virtual - 1)] + [None]
 
     @property
     def num_layers(self) -> int:
@@ -95,17 +97,13 @@ class Candidate:
 
     def send_s(self, virtual_stage: int, stop: int) -> float:
         """One micro-batch's activation (or gradient) from a virtual stage ending at layer `stop` to the next one."""
-        if virtual_stage == self.virtual - 1:
-            return 0.0
-        link = self.hardware.send_links[locate_virtual(virtual_stage, self.layout.pp)[0]]
-        return self.cost.transfer_s(self._activation[stop - 1], link)
+        link = self._out_links[virtual_stage]
+        return 0.0 if link is None else self.cost.transfer_s(self._activation[stop - 1], link)
 
     def early_s(self, virtual_stage: int, stop: int) -> float:
         """Of `send_s`, the seconds that may run before the receiver posts its recv (gloo)."""
-        if virtual_stage == self.virtual - 1:
-            return 0.0
-        link = self.hardware.send_links[locate_virtual(virtual_stage, self.layout.pp)[0]]
-        return self.cost.early_s(self._activation[stop - 1], link)
+        link = self._out_links[virtual_stage]
+        return 0.0 if link is None else self.cost.early_s(self._activation[stop - 1], link)
 
     def base_work_s(self, start: int, stop: int) -> float:
         """Forward + backward of one micro-batch through layers [start, stop) on the fastest stage, less the per-layer
@@ -114,10 +112,8 @@ class Candidate:
 
     def least_send_s(self, virtual_stage: int) -> float:
         """The shortest `send_s` of a virtual stage, wherever it ends."""
-        if virtual_stage == self.virtual - 1:
-            return 0.0
-        link = self.hardware.send_links[locate_virtual(virtual_stage, self.layout.pp)[0]]
-        return self.cost.transfer_s(self._least_activation, link)
+        link = self._out_links[virtual_stage]
+        return 0.0 if link is None else self.cost.transfer_s(self._least_activation, link)
 
     def param_bytes(self, start: int, stop: int) -> float:
         return self._params[stop] - self._params[start]
@@ -216,6 +212,7 @@ class Candidate:
         plans = []
         for s, group in enumerate(self.layout.stages):
             own = tuple(ranges[k] for k in virtual_stages(s, self.chunks, pp))
+            outs = [(k, b) for k, (_, b) in zip(virtual_stages(s, self.chunks, pp), own, strict=True)]  # sends
             link, dp_link = self.hardware.send_links[s], self.hardware.dp_links[s]
             forward = tuple(self.forward_s(s, a, b) for a, b in own)
             backward = tuple(self.backward_s(s, a, b) for a, b in own)
@@ -233,12 +230,8 @@ class Candidate:
                     device_tflops=self.hardware.tflops[s],
                     forward_s=forward,
                     backward_s=backward,
-                    send_s=tuple(
-                        self.send_s(k, b) for k, (_, b) in zip(virtual_stages(s, self.chunks, pp), own, strict=True)
-                    ),
-                    early_s=tuple(
-                        self.early_s(k, b) for k, (_, b) in zip(virtual_stages(s, self.chunks, pp), own, strict=True)
-                    ),
+                    send_s=tuple(self.send_s(k, b) for k, b in outs),
+                    early_s=tuple(self.early_s(k, b) for k, b in outs),
                     send_link=link.kind if pp > 1 else None,
                     send_gbps=link.gbps if pp > 1 else 0.0,
                     sync_s=self.sync_s(s, params, layers),

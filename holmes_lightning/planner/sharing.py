@@ -31,8 +31,12 @@ class CoreSharing:
     cores: float
     ranks_per_stage: int
 
+    def all_busy(self, pp: int) -> float:
+        """How much slower than alone each rank computes while every rank of `pp` stages does."""
+        return max(1.0, self.ranks_per_stage * pp / self.cores)
+
     def contended(self, pp: int) -> bool:
-        return self.ranks_per_stage * pp > self.cores
+        return self.all_busy(pp) > 1.0
 
 
 def settle(
@@ -43,7 +47,7 @@ def settle(
     `alone`: each action's seconds at its rank's speed alone; `timed`: the action ends and stage clocks of per-action
     durations (`Replay.ends`).
     """
-    all_busy = max(1.0, sharing.ranks_per_stage * pp / sharing.cores)
+    all_busy = sharing.all_busy(pp)
     durations = [seconds * all_busy for seconds in alone]  # start from every rank computing at once
     ends, clock = timed(durations)
     step = max(clock)

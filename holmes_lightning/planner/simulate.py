@@ -276,10 +276,16 @@ class Replay:
         buffered: bool = False,
     ) -> tuple[list[float], list[float], list[float]]:
         """`ends` with the ranks sharing CPU cores (`sharing.settle`): every action's seconds, ends, stage clocks."""
-        alone = [(backward if self.backward[i] else forward)[k] for i, k in enumerate(self.virtual)]
         return settle(
-            alone, self.pp, sharing, lambda durations: self.ends(forward, backward, send, durations, early, buffered)
+            self.seconds(forward, backward),
+            self.pp,
+            sharing,
+            lambda durations: self.ends(forward, backward, send, durations, early, buffered),
         )
+
+    def seconds(self, forward: Sequence[float], backward: Sequence[float]) -> list[float]:
+        """Every action's seconds, from per virtual stage forward and backward seconds."""
+        return [(backward if self.backward[i] else forward)[k] for i, k in enumerate(self.virtual)]
 
     def step_s(
         self,
@@ -350,7 +356,7 @@ def simulate(
         durations, ends, clock = replay.shared(forward, backward, send, sharing, early, buffered)
     else:
         ends, clock = replay.ends(forward, backward, send, early=early, buffered=buffered)
-        durations = [(backward if replay.backward[i] else forward)[k] for i, k in enumerate(replay.virtual)]
+        durations = replay.seconds(forward, backward)
     blocks = []
     for (s, action), end, seconds in zip(replay.actions, ends, durations, strict=True):
         kind = "backward" if action.backward else "forward"
