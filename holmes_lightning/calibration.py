@@ -10,6 +10,9 @@ distinct pipeline layer (a layer on the meta device gets a full copy on the devi
   micro-batches) and freed after forward with it (pp=1): FSDP's hooks per layer and pass;
 - one fused AdamW step (the recipe's optimizer) over the plain and over the FSDP (DTensor) parameters.
 
+Each is the median of rounds (every kind of pass once per round) repeated for `LAYER_SECONDS` per distinct layer
+($HOLMES_CALIBRATION_SECONDS overrides it): a shared machine's speed drifts by 10-20% over seconds, so a second of
+rounds says more than a few of them.
 These single-process results are cached per device, torch version and model shape (`cache_dir()`); a later job with
 the same ones reads them instead. With every rank of the job (a collective, `handoff_latency_s`): the latency of a
 message between two ranks while every rank computes. When every rank of the job computes on one machine's CPU cores,
@@ -46,10 +49,13 @@ from holmes_lightning.processes import free_port
 FIT_SAMPLES = (1, 4)  # forward + backward is timed at 1 sample and at 4 or, for a small layer, a multiple of it
 SLOPE_RATIO = 1.5  # the larger count's pass takes at least this x the 1-sample one's, so its slope is measurable
 MAX_SLOPE_BYTES = 64 * 2**20  # the larger count's output stays below this (doubling stops at it)
+LAYER_SECONDS = 1.5  # each distinct layer is timed this long: the machine's speed drifts over seconds
+MIN_ROUNDS = 3  # and at least this many rounds after a warm-up one
 HANDOFF_ROUNDS = 20
 HANDOFF_BURST_S = 2e-3  # CPU seconds a rank computes between hand-offs: a micro-batch's work on a lab rank
 CACHE_ENV = "HOLMES_CALIBRATION_DIR"
-CACHE_VERSION = 2
+SECONDS_ENV = "HOLMES_CALIBRATION_SECONDS"  # overrides LAYER_SECONDS
+CACHE_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -185,12 +191,12 @@ def measure(
     sample: torch.Tensor,
     *,
     device: torch.device,
-    repeats: int = 5,
+    seconds: float | None = None,
     group: dist.ProcessGroup | None = None,
     fresh: bool = False,
 ) -> Measurement:
-    """Time `layers` (applied in order to `sample`, samples first) on `device`, or read the cached result (`fresh`:
-    time them anyway and cache the new result).
+    """Time `layers` (applied in order to `sample`, samples first) on `device`, each distinct one for `seconds` (None:
+    `layer_seconds()`), or read the cached result (`fresh`: time them anyway and cache the new result).
 
     FSDP2 runs on `group`, a group of this rank alone; None: a world of one process made for the moment (there must
     be no default group then).
@@ -198,9 +204,22 @@ def measure(
     path = cache_dir() / f"{_cache_key(layers, sample, device)}.json"
     if path.is_file() and not fresh:
         return Measurement(**json.loads(path.read_text()))
-    measured = _measure(layers, sample, device=device, repeats=repeats, group=group)
+    seconds = layer_seconds() if seconds is None else seconds
+    measured = _measure(layers, sample, device=device, seconds=seconds, group=group)
     _write(path, asdict(measured))
     return measured
+
+
+def layer_seconds() -> float:
+    """How long each distinct layer is timed: $HOLMES_CALIBRATION_SECONDS, else `LAYER_SECONDS`."""
+    value = os.environ.get(SECONDS_ENV, str(LAYER_SECONDS))
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        raise ValueError(f"{SECONDS_ENV}={value!r}: give the seconds to time each distinct layer, e.g. {LAYER_SECONDS}")
+    return seconds
 
 
 def _write(path: Path, data: dict) -> None:
@@ -260,7 +279,7 @@ def _measure(
     sample: torch.Tensor,
     *,
     device: torch.device,
-    repeats: int,
+    seconds: float,
     group: dist.ProcessGroup | None,
 ) -> Measurement:
     """Each distinct layer timed once on the input it gets in the model; repeats of it count its times again."""
@@ -276,7 +295,7 @@ def _measure(
             for layer in layers:
                 key = json.dumps([_signature(layer), list(x.shape), str(x.dtype)])
                 if key not in times:
-                    times[key] = _time_layer(layer, x, mesh=mesh, device=device, repeats=repeats)
+                    times[key] = _time_layer(layer, x, mesh=mesh, device=device, seconds=seconds)
                 layer_times, x = times[key]
                 total.append(layer_times)
     finally:
@@ -293,9 +312,10 @@ def _measure(
 
 
 def _time_layer(
-    layer: nn.Module, x: torch.Tensor, *, mesh: DeviceMesh, device: torch.device, repeats: int
+    layer: nn.Module, x: torch.Tensor, *, mesh: DeviceMesh, device: torch.device, seconds: float
 ) -> tuple[_LayerTimes, torch.Tensor]:
-    """One layer's times, and its output on one sample (the next layer's input)."""
+    """One layer's times (medians of rounds over `seconds`, every kind of pass in each), and its output on one sample
+    (the next layer's input)."""
     plain, kept, resharded = (_copy_on(layer, device) for _ in range(3))
     for wrapped, reshard in ((kept, False), (resharded, True)):
         fully_shard(wrapped, mesh=mesh, reshard_after_forward=reshard)
@@ -305,7 +325,9 @@ def _time_layer(
     inputs = {n: _repeated(x, n) for n in (few, many)}
     runs: dict[str, list[float]] = {name: [] for name in ("few", "many", "kept", "resharded", "adam", "adam_fsdp")}
     optimizers = {id(net): _adamw(net) for net in (plain, resharded)}
-    for _ in range(repeats + 1):  # the first round warms up allocator and kernels
+    start, rounds = time.perf_counter(), 0
+    while rounds <= MIN_ROUNDS or time.perf_counter() - start < seconds:
+        rounds += 1  # the first round warms up allocator and kernels
         runs["few"].append(_pass_s(plain, inputs[few], device))
         runs["many"].append(_pass_s(plain, inputs[many], device))
         runs["kept"].append(_pass_s(kept, inputs[few], device))

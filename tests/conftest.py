@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,11 +25,9 @@ def saved_figures(monkeypatch: pytest.MonkeyPatch) -> list[Figure]:
 
 @pytest.fixture(autouse=True, scope="session")
 def calibration_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """HolmesStrategy's calibrations go to this session's own folder (ranks inherit it), not the user's cache."""
-    before = os.environ.get("HOLMES_CALIBRATION_DIR")
-    os.environ["HOLMES_CALIBRATION_DIR"] = str(tmp_path_factory.mktemp("calibration"))
-    yield
-    if before is None:
-        os.environ.pop("HOLMES_CALIBRATION_DIR")
-    else:
-        os.environ["HOLMES_CALIBRATION_DIR"] = before
+    """HolmesStrategy's calibrations go to this session's own folder (ranks inherit it), not the user's cache, and
+    time each layer its few minimum rounds: the path is tested, and the numbers only by what holds for any of them."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HOLMES_CALIBRATION_DIR", str(tmp_path_factory.mktemp("calibration")))
+        patch.setenv("HOLMES_CALIBRATION_SECONDS", "0")
+        yield

@@ -77,7 +77,7 @@ def test_each_distinct_layer_is_timed_once_and_the_result_is_cached(tmp_path, mo
     ran: list[int] = []
     for index, layer in enumerate(layers):  # copies of a layer keep its hooks: they log the original's index
         layer.register_forward_hook(lambda _module, _args, _out, index=index: ran.append(index))
-    measured = calibration.measure(layers, torch.randn(1, 6), device=torch.device("cpu"), repeats=2)
+    measured = calibration.measure(layers, torch.randn(1, 6), device=torch.device("cpu"), seconds=0)
     assert sorted(set(ran)) == [0, 1, 4]  # the second and third hidden layers repeat the first one's times
     assert measured.per_sample_s >= 0 and measured.pass_overhead_s > 0 and measured.optimizer_s > 0
     assert min(measured.fsdp_pass_s, measured.fsdp_reshard_pass_s, measured.fsdp_optimizer_s) >= 0
@@ -86,7 +86,7 @@ def test_each_distinct_layer_is_timed_once_and_the_result_is_cached(tmp_path, mo
     again = calibration.measure(stranger_layers(), torch.randn(4, 6), device=torch.device("cpu"))
     assert again == measured and ran == []  # same machine and shape per sample: read, not timed
     wider = calibration.measure(  # a DataLoader's batch of 4 samples: timed on one of them
-        [nn.Linear(6, 32), nn.Linear(32, 2)], torch.randn(4, 6), device=torch.device("cpu"), repeats=1
+        [nn.Linear(6, 32), nn.Linear(32, 2)], torch.randn(4, 6), device=torch.device("cpu"), seconds=0
     )
     assert wider != measured and len(list(tmp_path.glob("*.json"))) == 2
 
@@ -94,11 +94,11 @@ def test_each_distinct_layer_is_timed_once_and_the_result_is_cached(tmp_path, mo
 def test_a_fresh_measurement_times_the_layers_again_and_replaces_the_cached_one(tmp_path, monkeypatch):
     monkeypatch.setenv(calibration.CACHE_ENV, str(tmp_path))
     layers = stranger_layers()
-    measured = calibration.measure(layers, torch.randn(1, 6), device=torch.device("cpu"), repeats=1)
+    measured = calibration.measure(layers, torch.randn(1, 6), device=torch.device("cpu"), seconds=0)
     (cached,) = tmp_path.glob("*.json")
     cached.write_text(json.dumps({**asdict(measured), "per_sample_s": 123.0}))  # a stale result from another time
     assert calibration.measure(layers, torch.randn(1, 6), device=torch.device("cpu")).per_sample_s == 123.0
-    again = calibration.measure(layers, torch.randn(1, 6), device=torch.device("cpu"), repeats=1, fresh=True)
+    again = calibration.measure(layers, torch.randn(1, 6), device=torch.device("cpu"), seconds=0, fresh=True)
     assert again.per_sample_s != 123.0 and json.loads(cached.read_text())["per_sample_s"] == again.per_sample_s
 
 
@@ -106,7 +106,7 @@ def test_layers_on_the_meta_device_are_timed_on_real_copies(tmp_path, monkeypatc
     monkeypatch.setenv(calibration.CACHE_ENV, str(tmp_path))
     with torch.device("meta"):
         layers = stranger_layers()
-    measured = calibration.measure(layers, torch.randn(1, 6), device=torch.device("cpu"), repeats=1)
+    measured = calibration.measure(layers, torch.randn(1, 6), device=torch.device("cpu"), seconds=0)
     assert measured.per_sample_s >= 0 and measured.pass_overhead_s > 0
     assert all(p.is_meta for layer in layers for p in layer.parameters())  # the model itself stays unallocated
 
@@ -116,7 +116,7 @@ def test_layers_without_parameters_are_timed_and_small_layers_on_more_samples(tm
     sample hides in the fixed cost of a pass at 4 samples, so they are timed on more."""
     monkeypatch.setenv(calibration.CACHE_ENV, str(tmp_path))
     layers = [nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10)]
-    measured = calibration.measure(layers, torch.randn(1, 32), device=torch.device("cpu"), repeats=1)
+    measured = calibration.measure(layers, torch.randn(1, 32), device=torch.device("cpu"), seconds=0)
     assert measured.optimizer_s > 0 and measured.per_sample_s >= 0
     tiny = nn.Linear(3, 4)
     assert calibration._slope_samples(tiny, torch.randn(1, 3), torch.device("cpu")) > calibration.FIT_SAMPLES[1]
@@ -130,3 +130,14 @@ def test_the_latency_of_local_ranks_is_measured_in_processes_and_cached(tmp_path
     assert len(list(tmp_path.glob("handoff-*.json"))) == 1
     assert calibration.local_handoff_latency_s(2) == latency
     assert calibration.local_handoff_latency_s(1) == 0.0
+
+
+def test_how_long_each_layer_is_timed_comes_from_the_environment_or_the_default(monkeypatch):
+    monkeypatch.delenv(calibration.SECONDS_ENV)
+    assert calibration.layer_seconds() == calibration.LAYER_SECONDS
+    monkeypatch.setenv(calibration.SECONDS_ENV, "0.25")
+    assert calibration.layer_seconds() == 0.25
+    for bad in ("soon", "-1", "nan"):
+        monkeypatch.setenv(calibration.SECONDS_ENV, bad)
+        with pytest.raises(ValueError, match=f"HOLMES_CALIBRATION_SECONDS={bad!r}: give the seconds"):
+            calibration.layer_seconds()

@@ -29,15 +29,15 @@ def calibrate(
     profile: ModelProfile,
     model: ModelConfig,
     *,
-    repeats: int,
+    seconds: float,
     scale: float | None,
     fresh: bool = False,
 ) -> Calibration:
-    """A lab rank of `hybrid` training `model`; `scale` None: the lab's default bandwidth scale for this CPU; `fresh`:
-    time the model even if its costs are cached."""
+    """A lab rank of `hybrid` training `model`, each distinct layer timed for `seconds`; `scale` None: the lab's
+    default bandwidth scale for this CPU; `fresh`: time the model even if its costs are cached."""
     sample = torch.zeros(1, model.seq_len, dtype=torch.long)
     layers = gpt(model).pipeline_layers()
-    measured = calibration.measure(layers, sample, device=torch.device("cpu"), repeats=repeats, fresh=fresh)
+    measured = calibration.measure(layers, sample, device=torch.device("cpu"), seconds=seconds, fresh=fresh)
     latency = calibration.local_handoff_latency_s(hybrid.world_size)
     scale, reason = (scale, "bench.bandwidth_scale") if scale is not None else default_bandwidth_scale(hybrid)
     return Calibration.of(

@@ -34,7 +34,9 @@ class RegimeMatch:
     within `share_tolerance`) and whose predicted ratios to the NIC-unaware layout, flat FSDP2 and DDP come closest
     to the reference's (relative, in units of `ratio_tolerance`), among those whose runs' steps fit
     `measured_budget_s` in all and whose Holmes step is predicted to last at least `min_step_s` (so that what a
-    step costs outside the cost model, Lightning's loop and the data loader, stays small next to it).
+    step costs outside the cost model, Lightning's loop and the data loader, stays small next to it). The chosen job
+    is then timed again, each distinct layer for `calibration_seconds`, and its batch and bandwidth scale derived
+    again on those costs, the ones its runs are planned and predicted with.
     """
 
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
@@ -49,11 +51,12 @@ class RegimeMatch:
     head_dim: int = 64
     measured_budget_s: float = 360.0
     min_step_s: float = 1.0
+    calibration_seconds: float = 12.0
 
     def __post_init__(self) -> None:
         if self.global_batch <= 0:
             raise ConfigError(f"bench.match.global_batch={self.global_batch!r}: must be > 0 (sequences per step)")
-        for name in ("share_tolerance", "ratio_tolerance", "measured_budget_s", "min_step_s"):
+        for name in ("share_tolerance", "ratio_tolerance", "measured_budget_s", "min_step_s", "calibration_seconds"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"bench.match.{name}={getattr(self, name)!r}: must be > 0")
         for name in ("d_models", "seq_lens", "global_batches"):
@@ -76,7 +79,8 @@ class BenchSettings:
     Lightning, alternated `repeats` times, `bench.overhead`) or "regret" (every configuration of a small job on each
     shipped cluster config named in `variants`, measured, against the planner's choice; `bench.regret`).
     `match`: derive the model, global batch and bandwidth scale from a reference setting instead (`RegimeMatch`).
-    `prediction_tolerance`: how far each run's predicted step may be from the measured one.
+    `prediction_tolerance`: how far each run's predicted step may be from the measured one. `calibration_seconds`: how
+    long each distinct layer of the model is timed (`holmes_lightning.calibration`).
 
     `slow_cluster` runs its NIC at `slow_nic_gbps` in the unequal-clusters topology (auto vs uniform partition).
     `bandwidth_scale` None: chosen from this CPU as `lab.scale` does, once, for every variant. What Holmes plans
@@ -93,7 +97,7 @@ class BenchSettings:
     bandwidth_scale: float | None = None
     slow_cluster: str = "B"
     slow_nic_gbps: float = 50.0
-    calibration_repeats: int = 5
+    calibration_seconds: float = 1.5
     corpus_bytes: int = 400_000
     trace: bool = False
     timeout_s: float = 600.0
@@ -124,8 +128,8 @@ class BenchSettings:
             raise ConfigError(f"bench.repeats={self.repeats!r}: must be >= 1")
         if not self.prediction_tolerance > 0:
             raise ConfigError(f"bench.prediction_tolerance={self.prediction_tolerance!r}: must be > 0, e.g. 0.05")
-        if self.calibration_repeats < 1:
-            raise ConfigError(f"bench.calibration_repeats={self.calibration_repeats!r}: must be >= 1")
+        if self.calibration_seconds < 0:
+            raise ConfigError(f"bench.calibration_seconds={self.calibration_seconds!r}: must be >= 0, e.g. 1.5")
 
     @property
     def steps(self) -> int:

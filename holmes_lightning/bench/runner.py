@@ -135,7 +135,7 @@ def measure_model(
     `fresh`: measured again even if cached."""
     profile = profile_gpt(model)
     calibration = calibrate(
-        hybrid, profile, model, repeats=settings.calibration_repeats, scale=settings.bandwidth_scale, fresh=fresh
+        hybrid, profile, model, seconds=settings.calibration_seconds, scale=settings.bandwidth_scale, fresh=fresh
     )
     print(f"bench: calibrated {model.name}: {calibration.describe()}", flush=True)
     return profile, calibration

@@ -96,9 +96,10 @@ class HolmesStrategy(ModelParallelStrategy):
             without it on one sample of the running entry point's DataLoader (meta layers: on meta tensors).
         calibrate: before planning, measure this machine on the model (`holmes_lightning.calibration`: the device's
             speed on its layers, the fixed cost per layer, FSDP2's hooks, the optimizer step, and a message between
-            two ranks), cached per machine and model shape, so the plan and its printed prediction are this
-            machine's; `strategy.calibration` keeps what was measured. False: plan with `options` as given (the
-            cluster config's TFLOPS x `efficiency`). Not with plan= or without `pipeline_layers()`.
+            two ranks; each distinct layer for 1.5 s, `$HOLMES_CALIBRATION_SECONDS`), cached per machine and model
+            shape, so the plan and its printed prediction are this machine's; `strategy.calibration` keeps what was
+            measured. False: plan with `options` as given (the cluster config's TFLOPS x `efficiency`). Not with
+            plan= or without `pipeline_layers()`.
         timeout: seconds (or a timedelta) a collective may wait before the job fails.
     """
 
