@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from holmes_lightning.bench.calibrate import profile_gpt
 from holmes_lightning.bench.config import BenchSettings, RegimeMatch, register_bench_configs
-from holmes_lightning.bench.regime import SHARES, derive, shares
+from holmes_lightning.bench.regime import SHARES, derive, rederive, shares
 from holmes_lightning.bench.variants import Hardware, plan_variants
 from holmes_lightning.calibration import Calibration
 from holmes_lightning.config import ConfigError, ModelConfig, register_configs
@@ -75,6 +75,22 @@ def test_the_derived_lab_job_splits_its_step_as_the_reference_does():
     assert runs["holmes_hybrid"].prediction.total_s >= match.min_step_s
     assert 0 < regime.measured_s <= match.measured_budget_s
     assert 1 <= regime.qualified <= regime.candidates
+
+
+def test_the_chosen_model_measured_again_gets_its_batch_and_scale_from_the_new_costs():
+    hybrid = Topology.from_config("two_cluster_mixed")
+    settings = BenchSettings(name="regime", match=paper_match(), variants=["holmes_hybrid", "holmes_homogeneous"])
+    requested = PlanOptions(pp=2, dp_overlap=0.0)
+    first = derive(hybrid, settings, requested=requested, calibrate=measured_alone)
+    profile, calibration = measured_alone(first.choice.model)
+    faster = replace(calibration, gflops=150.0, device_tflops=0.075, fsdp_layer_s=1e-3)  # a second, luckier timing
+    again = rederive(first, hybrid, settings, requested=requested, measured=(profile, faster))
+    assert again.choice.model == first.choice.model and again.candidates < first.candidates
+    assert replace(again.choice.calibration, bandwidth_scale=1.0, scale_reason="") == replace(
+        faster, bandwidth_scale=1.0, scale_reason=""
+    )
+    assert again.choice.bandwidth_scale > first.choice.bandwidth_scale  # 3x the compute speed: links 3x as fast
+    assert again.choice.share_deviation <= settings.match.share_tolerance
 
 
 def test_no_lab_job_within_the_tolerance_is_an_error_naming_the_fields():

@@ -7,11 +7,14 @@ DP sync, p2p and bubble (`SHARES`); Holmes' step against the others' gives the r
 
 The lab job is derived from those numbers, not set by hand. For every candidate model (`match.d_models` x
 `match.seq_lens`, each calibrated on this machine) and global batch (`match.global_batches`), the planner plans the
-lab's runs at every bandwidth scale of a grid (steps of 1.2x, from the fastest the lab shapes exactly down); a
-candidate qualifies when each share of its homogeneous step is within `match.share_tolerance` of the reference's and
-its runs' predicted steps fit `match.measured_budget_s`, with Holmes' step at least `match.min_step_s`. Among those,
-the one whose share and ratio deviations, each in units of its tolerance, are smallest at worst is the lab job
-(ties: the shorter run).
+lab's runs at every bandwidth scale of a grid (steps of 1.2x, from the fastest the lab shapes exactly down) and predicts
+them as the bench does (`plan_variants`: planned for the cluster the lab emulates, timed as they run on this machine's
+shared cores, so the ratios are the ones the lab can measure); a candidate qualifies when each share of its homogeneous
+step is within `match.share_tolerance` of the reference's and its runs' predicted steps fit `match.measured_budget_s`,
+with Holmes' step at least `match.min_step_s`. Among those, the one whose share and ratio deviations, each in units of
+its tolerance, are smallest at worst is the lab job (ties: the shorter run). That job's model is then timed again,
+longer (`match.calibration_seconds`), and its batch and bandwidth scale derived again on those costs (`rederive`): its
+runs are planned and predicted with the same ones.
 """
 
 from __future__ import annotations
@@ -19,9 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from holmes_lightning.bench.calibrate import lab_topology
 from holmes_lightning.bench.config import BenchSettings, RegimeMatch
-from holmes_lightning.bench.variants import REFERENCE, Hardware, lab_options, plan_alternatives, plan_variants
+from holmes_lightning.bench.variants import REFERENCE, Hardware, plan_alternatives, plan_variants
 from holmes_lightning.calibration import Calibration
 from holmes_lightning.config import ConfigError, ModelConfig
 from holmes_lightning.lab.plan import MAX_LAB_MBIT
@@ -149,22 +151,26 @@ def scale_grid(topology: Topology) -> list[float]:
 
 def evaluate(
     hybrid: Topology,
+    settings: BenchSettings,
     *,
     model: ModelConfig,
     profile: ModelProfile,
     global_batch: int,
     calibration: Calibration,
-    options: PlanOptions,
+    requested: PlanOptions,
     reference: Reference,
-    match: RegimeMatch,
 ) -> Candidate | None:
-    """The lab job's predicted shares and ratios at the calibration's bandwidth scale (None: it cannot be planned)."""
-    devices = calibration.as_devices(hybrid.world_size)  # the shares are the emulated cluster's, a device per rank
-    lab = lab_topology(hybrid, devices.bandwidth_scale, devices.device_tflops)
+    """The lab job's shares and ratios as its runs are planned and predicted at the calibration's bandwidth scale
+    (`plan_variants`: for the cluster the lab emulates, timed on this machine's shared cores); None: it cannot be
+    planned."""
+    match = settings.match
+    assert match is not None  # derive checks it
+    lab_settings = replace(settings, model=model, global_batch=global_batch, variants=list(MATCHED_RUNS))
     try:
-        plans = plan_alternatives(lab, profile, BatchSettings(global_batch), options=options, names=MATCHED_RUNS)
+        variants = plan_variants(Hardware.derive(hybrid, lab_settings, calibration), profile, lab_settings, requested)
     except ValueError:  # PlanError, or an alternative without a plan: not a candidate
         return None
+    plans = {variant.name: variant.plan for variant in variants}
     predicted = shares(plans["holmes_homogeneous"].prediction)
     predicted_ratios = ratios(plans)
     share_deviation = max(abs(predicted[name] - reference.shares[name]) for name in SHARES)
@@ -202,18 +208,17 @@ def derive(
         for seq_len in match.seq_lens:
             model = lab_model(match, d_model, seq_len)
             profile, measured = calibrate(model)
-            options = lab_options(requested, measured.as_devices(hybrid.world_size))
             for global_batch in match.global_batches:
                 found = [
                     evaluate(
                         hybrid,
+                        settings,
                         model=model,
                         profile=profile,
                         global_batch=global_batch,
                         calibration=replace(measured, bandwidth_scale=scale, scale_reason="derived from bench.match"),
-                        options=options,
+                        requested=requested,
                         reference=reference,
-                        match=match,
                     )
                     for scale in scales
                 ]
@@ -239,6 +244,21 @@ def derive(
         )
     _, seconds, choice = min(best, key=lambda item: item[:2])
     return Regime(reference=reference, choice=choice, measured_s=seconds, candidates=candidates, qualified=len(best))
+
+
+def rederive(
+    regime: Regime,
+    hybrid: Topology,
+    settings: BenchSettings,
+    *,
+    requested: PlanOptions,
+    measured: tuple[ModelProfile, Calibration],
+) -> Regime:
+    """`regime`'s model with its global batch and bandwidth scale derived again on `measured` costs."""
+    model = regime.choice.model
+    assert settings.match is not None  # regime was derived from it
+    match = replace(settings.match, d_models=[model.d_model], seq_lens=[model.seq_len])
+    return derive(hybrid, replace(settings, match=match), requested=requested, calibrate=lambda _: measured)
 
 
 def measured_seconds(
