@@ -32,7 +32,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -51,6 +51,8 @@ SLOPE_RATIO = 1.5  # the larger count's pass takes at least this x the 1-sample 
 MAX_SLOPE_BYTES = 64 * 2**20  # the larger count's output stays below this (doubling stops at it)
 LAYER_SECONDS = 1.5  # each distinct layer is timed this long: the machine's speed drifts over seconds
 MIN_ROUNDS = 3  # and at least this many rounds after a warm-up one
+TRANSFER_BYTES = 128 * 2**20  # what `transfer_cpu_s_per_byte` sends, in messages of TRANSFER_MESSAGE_BYTES
+TRANSFER_MESSAGE_BYTES = 4 * 2**20
 HANDOFF_ROUNDS = 20
 HANDOFF_BURST_S = 2e-3  # CPU seconds a rank computes between hand-offs: a micro-batch's work on a lab rank
 CACHE_ENV = "HOLMES_CALIBRATION_DIR"
@@ -81,7 +83,8 @@ class Calibration:
     and FSDP2's per-layer costs (`fsdp_layer_s` per micro-batch with weights kept gathered, `fsdp_reshard_layer_s`
     per pass when freed after forward, `fsdp_optimizer_layer_s` per step on DTensor parameters). `latency_s`: a
     message between two ranks while all compute. Links run at their configured speed x `bandwidth_scale` (the lab's;
-    1 on a real network). `shared_cores`: every rank computes on this many cores of one machine (`share` is then 1).
+    1 on a real network). `shared_cores`: every rank computes on this many cores of one machine (`share` is then 1);
+    `transfer_cpu_s_per_byte`: what moving a byte between two of them costs those cores (0: not measured).
     """
 
     gflops: float
@@ -99,6 +102,7 @@ class Calibration:
     latency_s: float = 0.0
     device: str = ""
     shared_cores: float | None = None
+    transfer_cpu_s_per_byte: float = 0.0
 
     @classmethod
     def of(
@@ -111,6 +115,7 @@ class Calibration:
         bandwidth_scale: float = 1.0,
         scale_reason: str = "configured link speeds",
         shared_cores: float | None = None,
+        transfer_cpu_s_per_byte: float = 0.0,
     ) -> Calibration:
         """A rank's costs from one process's `measured` ones, when it gets `share` of the device; `shared_cores`: every
         rank of the job computes on this many cores of one machine (share 1: the cost model times the sharing)."""
@@ -132,6 +137,7 @@ class Calibration:
             latency_s=latency_s,
             device=measured.device,
             shared_cores=shared_cores,
+            transfer_cpu_s_per_byte=transfer_cpu_s_per_byte,
         )
 
     def plan_options(self, options: PlanOptions, peak_tflops: float | None = None) -> PlanOptions:
@@ -170,9 +176,12 @@ class Calibration:
         )
 
     def _sharing(self) -> str:
-        if self.shared_cores is not None:
-            return f"every rank on {self.shared_cores:g} shared cores, slower while more compute at once"
-        return f"x {self.share:g} device share"
+        if self.shared_cores is None:
+            return f"x {self.share:g} device share"
+        moving = self.transfer_cpu_s_per_byte * 1e9
+        return f"every rank on {self.shared_cores:g} shared cores, slower while more compute at once" + (
+            f", {moving:.2g} CPU-s per GB moved between ranks" if moving else ""
+        )
 
     def describe(self) -> str:
         return (
@@ -471,15 +480,62 @@ def handoff_latency_s(device: torch.device, *, burst_s: float = HANDOFF_BURST_S,
     return float(mine[0] / mine[1])
 
 
+def transfer_cpu_s_per_byte(nbytes: int = TRANSFER_BYTES) -> float:
+    """CPU seconds this machine spends per byte one rank sends another: sender, receiver and the kernel between them.
+
+    Every rank of the default group (all on this machine) calls it; rank 0 sends `nbytes` to rank 1 while the others
+    wait, then idles as long. The machine's busy time over the transfer (/proc/stat) less that over the idle stretch,
+    per byte; every rank gets rank 0's result (0 without /proc/stat or a second rank).
+    """
+    rank = dist.get_rank()
+    message = torch.zeros(TRANSFER_MESSAGE_BYTES, dtype=torch.uint8)
+    result = torch.zeros(1, dtype=torch.float64)
+    if dist.get_world_size() > 1 and Path("/proc/stat").is_file():
+        dist.barrier()
+        busy, start = _busy_s(), time.perf_counter()
+        for _ in range(nbytes // message.numel()):
+            if rank == 0:
+                dist.send(message, 1)
+            elif rank == 1:
+                dist.recv(message, 0)
+        dist.barrier()
+        moving_s, elapsed = _busy_s() - busy, time.perf_counter() - start
+        if rank == 0:
+            busy = _busy_s()
+            time.sleep(elapsed)
+            idle_s = _busy_s() - busy
+            result[0] = max(moving_s - idle_s, 0.0) / (nbytes // message.numel() * message.numel())
+    dist.broadcast(result, 0)
+    return float(result[0])
+
+
+def _busy_s() -> float:
+    """CPU seconds every core of this machine has spent busy since boot (not idle, not waiting on I/O)."""
+    fields = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def cached_seconds(kind: str, key: list, measure: Callable[[], float]) -> float:
+    """`measure()`'s result for this `kind` and `key` (with the cache version and this machine's CPU), from the cache
+    when it has one, else measured now and cached."""
+    shape = json.dumps([CACHE_VERSION, device_name(torch.device("cpu")), kind, *key])
+    path = cache_dir() / f"{kind}-{hashlib.sha256(shape.encode()).hexdigest()[:24]}.json"
+    if path.is_file():
+        return json.loads(path.read_text())["seconds"]
+    seconds = measure()
+    _write(path, {"seconds": seconds})
+    return seconds
+
+
 def local_handoff_latency_s(world_size: int, *, burst_s: float = HANDOFF_BURST_S) -> float:
     """`handoff_latency_s` of `world_size` single-thread ranks on this machine (loopback), started here for it, or
     the cached result for this device and rank count."""
     if world_size == 1:
         return 0.0
-    key = json.dumps([CACHE_VERSION, device_name(torch.device("cpu")), world_size, burst_s, HANDOFF_ROUNDS])
-    path = cache_dir() / f"handoff-{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
-    if path.is_file():
-        return json.loads(path.read_text())["latency_s"]
+    return cached_seconds("handoff", [world_size, burst_s, HANDOFF_ROUNDS], lambda: _local_handoff(world_size, burst_s))
+
+
+def _local_handoff(world_size: int, burst_s: float) -> float:
     port = free_port()
     code = (
         "import sys, torch, torch.distributed as dist; from holmes_lightning.calibration import handoff_latency_s; "
@@ -500,6 +556,4 @@ def local_handoff_latency_s(world_size: int, *, burst_s: float = HANDOFF_BURST_S
     outputs = [process.communicate()[0] for process in ranks]
     if any(process.returncode for process in ranks):
         raise RuntimeError(f"measuring the hand-off latency of {world_size} local ranks failed; their output is above")
-    latency = float(outputs[0].split()[-1])
-    _write(path, {"latency_s": latency})
-    return latency
+    return float(outputs[0].split()[-1])

@@ -90,6 +90,7 @@ def test_a_lab_rank_is_calibrated_on_the_benchmark_gpt(tmp_path, monkeypatch):
     per_layer = calibration.pass_overhead_s / profile.num_layers / calibration.share
     assert calibration.layer_overhead_s == pytest.approx(per_layer)
     assert calibration.latency_s > 0  # two ranks started for it
+    assert calibration.transfer_cpu_s_per_byte > 0  # and two in the lab, one sending the other 128 MB
     assert (calibration.bandwidth_scale, calibration.scale_reason) == (1e-3, "bench.bandwidth_scale")
 
 

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from holmes_lightning.planner import BatchSettings, PlanOptions, on_shared_cores, plan, simulate
+from holmes_lightning.planner import BatchSettings, PlanOptions, Sharding, on_shared_cores, plan, simulate
 from holmes_lightning.planner.profile import LayerProfile, ModelProfile
 from holmes_lightning.planner.sharing import CoreSharing
 from holmes_lightning.planner.simulate import Replay
@@ -100,3 +100,29 @@ def test_a_plan_for_a_device_per_rank_runs_no_slower_on_shared_cores():
     work = sum(len(s.ranks) * shared.microbatches * (sum(s.forward_s) + sum(s.backward_s)) for s in shared.stages)
     assert shared.prediction.total_s >= work / 2 * (1 - 1e-3)
     assert shared.shared_cores == 2
+
+
+def test_moving_bytes_on_shared_cores_costs_the_cores_what_each_byte_takes():
+    """Flat replicas of 4 ranks on 2 cores all-reduce 2 x 3/4 of the model's bytes out of every rank at once: with
+    `transfer_cpu_s_per_byte` c the step grows by c x 4 x 1.5 x bytes / 2 cores; a pipeline's sends join the passes
+    that make them, the first stage's forward and the second's backward."""
+    topology = Topology.from_config("two_cluster_mixed")
+    layers = tuple(LayerProfile(f"block{i}", 4e10, 8e10, 8e6, 1e6, 4e6) for i in range(6))
+    profile = ModelProfile("toy", layers, tokens_per_sample=64)
+    batch, c = BatchSettings(16), 1e-8
+    flat = PlanOptions(backend="gloo", layout="flat_fsdp", sharding=Sharding.none, efficiency=0.25, dp_overlap=0.0)
+    replicas = plan(topology, profile, batch, flat)
+    free, costly = (on_shared_cores(replicas, profile, cores=2, share=0.5, transfer_cpu_s_per_byte=x) for x in (0, c))
+    added = c * 4 * 1.5 * profile.param_bytes / 2
+    assert costly.prediction.total_s == pytest.approx(free.prediction.total_s + added)
+    assert costly.prediction.dp_sync_s == pytest.approx(free.prediction.dp_sync_s + added)
+
+    piped = plan(topology, profile, batch, PlanOptions(backend="gloo", pp=2, efficiency=0.25, dp_overlap=0.0))
+    free, costly = (on_shared_cores(piped, profile, cores=2, share=0.5, transfer_cpu_s_per_byte=x) for x in (0, c))
+    (_, boundary), mb = piped.stages[0].chunks[0], piped.microbatch_size
+    message_s = c * layers[boundary - 1].activation_bytes * mb
+    for stage, added_s in ((0, [message_s, 0.0]), (1, [0.0, message_s])):  # (forward, backward) of its one chunk
+        before, after = free.stages[stage], costly.stages[stage]
+        moved = [after.forward_s[0] - before.forward_s[0], after.backward_s[0] - before.backward_s[0]]
+        assert moved == pytest.approx(added_s)
+    assert costly.prediction.total_s > free.prediction.total_s

@@ -5,19 +5,26 @@ same measurement HolmesStrategy makes at job start, cached per machine and model
 per pass, AdamW step, FSDP2's hooks, and the latency of a message between the job's ranks while all compute (ranks
 started here for it, on loopback). Every lab rank computes on this machine's cores: the cost model gets a rank's
 speed alone and the core count, and times each action at the speed the ranks computing beside it leave it
-(`planner.sharing`). Links run at their configured speed x the lab's bandwidth scale, as the lab shapes them.
+(`planner.sharing`). Links run at their configured speed x the lab's bandwidth scale, as the lab shapes them, and
+every byte they move costs the cores what it cost in the lab (veth, bridge and tc between namespaces: about 6 CPU-s
+per GB here, ten times loopback's), measured there once per machine.
 """
 
 from __future__ import annotations
 
+import sys
+import tempfile
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
 from holmes_lightning import calibration
 from holmes_lightning.calibration import Calibration
 from holmes_lightning.config import ModelConfig
-from holmes_lightning.lab.scale import default_bandwidth_scale
+from holmes_lightning.lab.plan import MAX_LAB_MBIT
+from holmes_lightning.lab.run import run_in_lab
+from holmes_lightning.lab.scale import default_bandwidth_scale, fastest_link_gbps
 from holmes_lightning.measure import available_cores, profile_modules
 from holmes_lightning.planner import ModelProfile
 from holmes_lightning.recipes import GPT
@@ -48,7 +55,28 @@ def calibrate(
         latency_s=latency,
         bandwidth_scale=scale,
         scale_reason=reason,
+        transfer_cpu_s_per_byte=lab_transfer_cpu_s_per_byte(hybrid),
     )
+
+
+def lab_transfer_cpu_s_per_byte(hybrid: Topology) -> float:
+    """What the lab's links cost this machine's cores per byte moved: `calibration.transfer_cpu_s_per_byte` run by
+    `hybrid`'s ranks in the lab, links at half the fastest rate it shapes exactly; cached per machine and rank count."""
+    scale = MAX_LAB_MBIT / 1000 / fastest_link_gbps(hybrid) / 2
+    code = (
+        "import sys, torch.distributed as dist; from holmes_lightning.calibration import transfer_cpu_s_per_byte; "
+        "dist.init_process_group('gloo'); cost = transfer_cpu_s_per_byte(); "
+        "dist.get_rank() or open(sys.argv[1], 'w').write(repr(cost)); dist.destroy_process_group()"
+    )
+
+    def measure() -> float:
+        with tempfile.TemporaryDirectory() as folder:
+            result = Path(folder) / "cpu_s_per_byte"
+            if run_in_lab(hybrid, [sys.executable, "-c", code, str(result)], bandwidth_scale=scale):
+                raise RuntimeError("measuring what the lab's links cost the cores failed; the ranks' output is above")
+            return float(result.read_text())
+
+    return calibration.cached_seconds("lab-transfer", [hybrid.world_size, calibration.TRANSFER_BYTES], measure)
 
 
 def gpt(model: ModelConfig, cls: type[GPT] = GPT) -> GPT:

@@ -150,4 +150,10 @@ def _as_run_here(planned: Plan, profile: ModelProfile, measured: Calibration, de
     """`planned` (for a device per rank) predicted with the ranks sharing this machine's cores, as the lab runs it."""
     if measured.shared_cores is None:
         return planned
-    return on_shared_cores(planned, profile, cores=measured.shared_cores, share=devices.share / measured.share)
+    return on_shared_cores(
+        planned,
+        profile,
+        cores=measured.shared_cores,
+        share=devices.share / measured.share,
+        transfer_cpu_s_per_byte=measured.transfer_cpu_s_per_byte,
+    )

@@ -16,6 +16,15 @@ BUCKET_BYTES = 25 * 2**20  # gradients per all-reduce of pipelined replicas (DDP
 # extra memory); `runtime.sharding.average_gradients` buckets by it
 
 
+def sync_passes(sharding: Sharding, backend: str, *, pipelined: bool) -> int:
+    """How many times a step's DP sync moves (n-1)/n of a stage's parameter bytes out of each of its n ranks: FSDP's
+    all-gathers (one pipelined, two without) and reduce-scatter (a whole all-reduce, two, on gloo); replicas'
+    all-reduce (two)."""
+    if sharding is not Sharding.fsdp:
+        return 2
+    return (2 if reshards_after_forward(pipelined=pipelined) else 1) + (2 if backend == "gloo" else 1)
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Seconds and bytes of one plan's pieces, as the runtime runs them.
@@ -111,14 +120,12 @@ class CostModel:
         n = group_size
         if n == 1:
             return 0.0
-        share = (n - 1) / n * param_bytes / link.bytes_per_s
+        passes = sync_passes(self.sharding, self.backend, pipelined=pipelined)
+        seconds = passes * (n - 1) / n * param_bytes / link.bytes_per_s
         if self.sharding is Sharding.fsdp:
-            gathers = 2 if reshards_after_forward(pipelined=pipelined) else 1
-            reduce_passes = 2 if self.backend == "gloo" else 1
-            ring_steps = (gathers + reduce_passes) * (n - 1) * layers
-            return (gathers + reduce_passes) * share + ring_steps * self.latency_s
+            return seconds + passes * (n - 1) * layers * self.latency_s
         collectives = math.ceil(param_bytes / BUCKET_BYTES) if pipelined else layers
-        return 2 * share + collectives * 2 * (n - 1) * self.latency_s
+        return seconds + collectives * 2 * (n - 1) * self.latency_s
 
     def exposed_sync_s(self, sync_s: float, compute_s: float, *, pipelined: bool = False) -> float:
         """The part of the DP sync the computation does not hide: all of it in a pipeline (it runs after the

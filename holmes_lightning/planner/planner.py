@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from holmes_lightning.planner.candidate import GB, Candidate, RangeCosts, predict_step
-from holmes_lightning.planner.cost import CostModel
+from holmes_lightning.planner.cost import CostModel, sync_passes
 from holmes_lightning.planner.layout import (
     Layout,
     StageHardware,
@@ -228,15 +228,41 @@ def _as_plan(candidate: Candidate, counts: tuple[int, ...], options: PlanOptions
     )
 
 
-def on_shared_cores(plan_: Plan, profile: ModelProfile, *, cores: float, share: float) -> Plan:
+def on_shared_cores(
+    plan_: Plan, profile: ModelProfile, *, cores: float, share: float, transfer_cpu_s_per_byte: float = 0.0
+) -> Plan:
     """`plan_` (planned for a device per rank, each computing at `share` of one of these cores) as it runs with every
     rank on `cores` CPU cores of one machine: the same layout, its passes at their speed alone while no more ranks than
-    cores compute (`planner.sharing`), predicted again."""
+    cores compute (`planner.sharing`), predicted again.
+
+    `transfer_cpu_s_per_byte`: what moving a byte between two ranks costs the cores (sender, receiver and the kernel
+    between them). A pipeline message's cost joins the pass that sends it, so it slows the ranks computing beside it;
+    the DP sync's, every rank's at once, lengthens each stage's exposed sync by all of it spread over the cores.
+    """
+    cpu = transfer_cpu_s_per_byte
+    out_bytes = [layer.activation_bytes * plan_.microbatch_size for layer in profile.layers]
+    last = profile.num_layers
+    sync_bytes = [
+        len(stage.ranks)
+        * (len(stage.ranks) - 1)
+        / len(stage.ranks)
+        * sync_passes(plan_.sharding, plan_.backend, pipelined=plan_.is_pipelined)
+        * sum(profile.layers[i].param_bytes for i in stage.layers)
+        for stage in plan_.stages
+    ]
+    sync_cpu_s = cpu * sum(sync_bytes) / cores
     stages = tuple(
         replace(
             stage,
-            forward_s=tuple(seconds * share for seconds in stage.forward_s),
-            backward_s=tuple(seconds * share for seconds in stage.backward_s),
+            forward_s=tuple(
+                seconds * share + (cpu * out_bytes[stop - 1] if stop < last else 0.0)
+                for seconds, (_, stop) in zip(stage.forward_s, stage.chunks, strict=True)
+            ),
+            backward_s=tuple(
+                seconds * share + (cpu * out_bytes[start - 1] if start > 0 else 0.0)
+                for seconds, (start, _) in zip(stage.backward_s, stage.chunks, strict=True)
+            ),
+            exposed_sync_s=stage.exposed_sync_s + (sync_cpu_s if len(stage.ranks) > 1 else 0.0),
         )
         for stage in plan_.stages
     )
