@@ -75,8 +75,8 @@ def run(config: BenchJobConfig, out_dir: Path) -> Path:
         print(f"bench: {derived.describe()}", flush=True)
         # Measured again, longer: the derivation favours whichever candidate's measurement came out off in its favour
         longer = replace(settings, calibration_seconds=settings.match.calibration_seconds)
-        profile, _ = measured = measure_model(hybrid, longer, derived.choice.model, fresh=True)
-        derived = rederive(derived, hybrid, settings, requested=config.strategy, measured=measured)
+        profile, remeasured = measure_model(hybrid, longer, derived.choice.model, fresh=True)
+        derived = rederive(derived, hybrid, settings, requested=config.strategy, measured=(profile, remeasured))
         print(f"bench: derived again on those costs: {derived.describe()}", flush=True)
         settings = derived.settings(settings)
         measured = profile, derived.choice.calibration  # at the derived bandwidth scale
