@@ -242,15 +242,12 @@ def on_shared_cores(
     cpu = transfer_cpu_s_per_byte
     out_bytes = [layer.activation_bytes * plan_.microbatch_size for layer in profile.layers]
     last = profile.num_layers
-    sync_bytes = [
-        len(stage.ranks)
-        * (len(stage.ranks) - 1)
-        / len(stage.ranks)
-        * sync_passes(plan_.sharding, plan_.backend, pipelined=plan_.is_pipelined)
-        * sum(profile.layers[i].param_bytes for i in stage.layers)
+    passes = sync_passes(plan_.sharding, plan_.backend, pipelined=plan_.is_pipelined)
+    sync_bytes = sum(  # each of a group's n ranks sends (n-1)/n of its stage's bytes per pass
+        (len(stage.ranks) - 1) * passes * sum(profile.layers[i].param_bytes for i in stage.layers)
         for stage in plan_.stages
-    ]
-    sync_cpu_s = cpu * sum(sync_bytes) / cores
+    )
+    sync_cpu_s = cpu * sync_bytes / cores
     stages = tuple(
         replace(
             stage,
