@@ -53,6 +53,7 @@ LAYER_SECONDS = 1.5  # each distinct layer is timed this long: the machine's spe
 MIN_ROUNDS = 3  # and at least this many rounds after a warm-up one
 TRANSFER_BYTES = 128 * 2**20  # what `transfer_cpu_s_per_byte` sends, in messages of TRANSFER_MESSAGE_BYTES
 TRANSFER_MESSAGE_BYTES = 4 * 2**20
+TRANSFER_ROUNDS = 3
 HANDOFF_ROUNDS = 20
 HANDOFF_BURST_S = 2e-3  # CPU seconds a rank computes between hand-offs: a micro-batch's work on a lab rank
 CACHE_ENV = "HOLMES_CALIBRATION_DIR"
@@ -480,33 +481,39 @@ def handoff_latency_s(device: torch.device, *, burst_s: float = HANDOFF_BURST_S,
     return float(mine[0] / mine[1])
 
 
-def transfer_cpu_s_per_byte(nbytes: int = TRANSFER_BYTES) -> float:
+def transfer_cpu_s_per_byte(nbytes: int = TRANSFER_BYTES, rounds: int = TRANSFER_ROUNDS) -> float:
     """CPU seconds this machine spends per byte one rank sends another: sender, receiver and the kernel between them.
 
-    Every rank of the default group (all on this machine) calls it; rank 0 sends `nbytes` to rank 1 while the others
-    wait, then idles as long. The machine's busy time over the transfer (/proc/stat) less that over the idle stretch,
-    per byte; every rank gets rank 0's result (0 without /proc/stat or a second rank).
+    Every rank of the default group (all on this machine) calls it. Each round rank 0 sends `nbytes` to rank 1 while
+    the others wait, then idles as long: the machine's busy time over the transfer (/proc/stat) less that over the
+    idle stretch, per byte. Every rank gets rank 0's median over the rounds (0 without /proc/stat or a second rank).
     """
-    rank = dist.get_rank()
-    message = torch.zeros(TRANSFER_MESSAGE_BYTES, dtype=torch.uint8)
     result = torch.zeros(1, dtype=torch.float64)
     if dist.get_world_size() > 1 and Path("/proc/stat").is_file():
-        dist.barrier()
-        busy, start = _busy_s(), time.perf_counter()
-        for _ in range(nbytes // message.numel()):
-            if rank == 0:
-                dist.send(message, 1)
-            elif rank == 1:
-                dist.recv(message, 0)
-        dist.barrier()
-        moving_s, elapsed = _busy_s() - busy, time.perf_counter() - start
-        if rank == 0:
-            busy = _busy_s()
-            time.sleep(elapsed)
-            idle_s = _busy_s() - busy
-            result[0] = max(moving_s - idle_s, 0.0) / (nbytes // message.numel() * message.numel())
+        result[0] = statistics.median(_transfer_round(nbytes) for _ in range(rounds))
     dist.broadcast(result, 0)
     return float(result[0])
+
+
+def _transfer_round(nbytes: int) -> float:
+    """One round of `transfer_cpu_s_per_byte`: its cost per byte on rank 0, 0 on the others."""
+    rank = dist.get_rank()
+    message = torch.zeros(TRANSFER_MESSAGE_BYTES, dtype=torch.uint8)
+    messages = max(1, nbytes // message.numel())
+    dist.barrier()
+    busy, start = _busy_s(), time.perf_counter()
+    for _ in range(messages):
+        if rank == 0:
+            dist.send(message, 1)
+        elif rank == 1:
+            dist.recv(message, 0)
+    dist.barrier()
+    moving_s, elapsed = _busy_s() - busy, time.perf_counter() - start
+    if rank != 0:
+        return 0.0
+    busy = _busy_s()
+    time.sleep(elapsed)
+    return max(moving_s - (_busy_s() - busy), 0.0) / (messages * message.numel())
 
 
 def _busy_s() -> float:

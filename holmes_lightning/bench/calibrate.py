@@ -76,7 +76,9 @@ def lab_transfer_cpu_s_per_byte(hybrid: Topology) -> float:
                 raise RuntimeError("measuring what the lab's links cost the cores failed; the ranks' output is above")
             return float(result.read_text())
 
-    return calibration.cached_seconds("lab-transfer", [hybrid.world_size, calibration.TRANSFER_BYTES], measure)
+    return calibration.cached_seconds(
+        "lab-transfer", [hybrid.world_size, calibration.TRANSFER_BYTES, calibration.TRANSFER_ROUNDS], measure
+    )
 
 
 def gpt(model: ModelConfig, cls: type[GPT] = GPT) -> GPT:
