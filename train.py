@@ -14,6 +14,7 @@ from dataclasses import asdict
 import hydra
 import lightning as L
 import torch
+import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
@@ -172,6 +173,8 @@ def train(config: TrainConfig, topology: Topology, strategy: HolmesStrategy, run
         default_root_dir=run_dir,
     )
     trainer.fit(model, datamodule=data, ckpt_path=config.resume)
+    if dist.is_initialized():  # every group ends here, in order, not in the interpreter's teardown
+        dist.destroy_process_group()
 
 
 def make_logger(config: TrainConfig, run_dir: str) -> Logger:
