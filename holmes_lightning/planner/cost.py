@@ -25,6 +25,12 @@ def sync_passes(sharding: Sharding, backend: str, *, pipelined: bool) -> int:
     return (2 if reshards_after_forward(pipelined=pipelined) else 1) + (2 if backend == "gloo" else 1)
 
 
+def sync_bytes(sharding: Sharding, backend: str, group_size: int, param_bytes: float, *, pipelined: bool) -> float:
+    """Bytes each rank of a DP group of `group_size` sends in a step's sync for a stage holding `param_bytes`."""
+    n = group_size
+    return sync_passes(sharding, backend, pipelined=pipelined) * (n - 1) / n * param_bytes
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Seconds and bytes of one plan's pieces, as the runtime runs them.
@@ -120,9 +126,9 @@ class CostModel:
         n = group_size
         if n == 1:
             return 0.0
-        passes = sync_passes(self.sharding, self.backend, pipelined=pipelined)
-        seconds = passes * (n - 1) / n * param_bytes / link.bytes_per_s
+        seconds = sync_bytes(self.sharding, self.backend, n, param_bytes, pipelined=pipelined) / link.bytes_per_s
         if self.sharding is Sharding.fsdp:
+            passes = sync_passes(self.sharding, self.backend, pipelined=pipelined)
             return seconds + passes * (n - 1) * layers * self.latency_s
         collectives = math.ceil(param_bytes / BUCKET_BYTES) if pipelined else layers
         return seconds + collectives * 2 * (n - 1) * self.latency_s

@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from holmes_lightning.planner.candidate import GB, Candidate, RangeCosts, predict_step
-from holmes_lightning.planner.cost import CostModel, sync_passes
+from holmes_lightning.planner.cost import CostModel, sync_bytes
 from holmes_lightning.planner.layout import (
     Layout,
     StageHardware,
@@ -242,12 +242,18 @@ def on_shared_cores(
     cpu = transfer_cpu_s_per_byte
     out_bytes = [layer.activation_bytes * plan_.microbatch_size for layer in profile.layers]
     last = profile.num_layers
-    passes = sync_passes(plan_.sharding, plan_.backend, pipelined=plan_.is_pipelined)
-    sync_bytes = sum(  # each of a group's n ranks sends (n-1)/n of its stage's bytes per pass
-        (len(stage.ranks) - 1) * passes * sum(profile.layers[i].param_bytes for i in stage.layers)
+    moved = sum(  # every rank of every group syncs at once
+        len(stage.ranks)
+        * sync_bytes(
+            plan_.sharding,
+            plan_.backend,
+            len(stage.ranks),
+            sum(profile.layers[i].param_bytes for i in stage.layers),
+            pipelined=plan_.is_pipelined,
+        )
         for stage in plan_.stages
     )
-    sync_cpu_s = cpu * sync_bytes / cores
+    sync_cpu_s = cpu * moved / cores
     stages = tuple(
         replace(
             stage,
