@@ -86,6 +86,7 @@ def test_the_chosen_model_measured_again_gets_its_batch_and_scale_from_the_new_c
     faster = replace(calibration, gflops=150.0, device_tflops=0.075, fsdp_layer_s=1e-3)  # a second, luckier timing
     again = rederive(first, hybrid, settings, requested=requested, measured=(profile, faster))
     assert again.choice.model == first.choice.model and again.candidates < first.candidates
+    assert again.reference is first.reference  # planned once
     assert replace(again.choice.calibration, bandwidth_scale=1.0, scale_reason="") == replace(
         faster, bandwidth_scale=1.0, scale_reason=""
     )

@@ -194,13 +194,14 @@ def derive(
     *,
     requested: PlanOptions,
     calibrate: Callable[[ModelConfig], tuple[ModelProfile, Calibration]],
+    reference: Reference | None = None,
 ) -> Regime:
     """The lab job that reproduces `settings.match` best (see the module's docstring); `calibrate` profiles a model
-    and measures a lab rank's costs for it."""
+    and measures a lab rank's costs for it; `reference`: the match's, if already planned."""
     match = settings.match
     if match is None:
         raise ConfigError("bench.match is not set: derive a regime only for a bench that names its reference")
-    reference = Reference.plan(match)
+    reference = reference or Reference.plan(match)
     scales = scale_grid(hybrid)
     best: list[tuple[float, float, Candidate]] = []
     candidates = 0
@@ -258,7 +259,13 @@ def rederive(
     model = regime.choice.model
     assert settings.match is not None  # regime was derived from it
     match = replace(settings.match, d_models=[model.d_model], seq_lens=[model.seq_len])
-    return derive(hybrid, replace(settings, match=match), requested=requested, calibrate=lambda _: measured)
+    return derive(
+        hybrid,
+        replace(settings, match=match),
+        requested=requested,
+        calibrate=lambda _: measured,
+        reference=regime.reference,
+    )
 
 
 def measured_seconds(
