@@ -522,16 +522,16 @@ def _busy_s() -> float:
     return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
-def cached_seconds(kind: str, key: list, measure: Callable[[], float]) -> float:
+def cached_measurement(kind: str, key: list, measure: Callable[[], float]) -> float:
     """`measure()`'s result for this `kind` and `key` (with the cache version and this machine's CPU), from the cache
     when it has one, else measured now and cached."""
     shape = json.dumps([CACHE_VERSION, device_name(torch.device("cpu")), kind, *key])
     path = cache_dir() / f"{kind}-{hashlib.sha256(shape.encode()).hexdigest()[:24]}.json"
     if path.is_file():
-        return json.loads(path.read_text())["seconds"]
-    seconds = measure()
-    _write(path, {"seconds": seconds})
-    return seconds
+        return json.loads(path.read_text())["value"]
+    value = measure()
+    _write(path, {"value": value})
+    return value
 
 
 def local_handoff_latency_s(world_size: int, *, burst_s: float = HANDOFF_BURST_S) -> float:
@@ -539,7 +539,9 @@ def local_handoff_latency_s(world_size: int, *, burst_s: float = HANDOFF_BURST_S
     the cached result for this device and rank count."""
     if world_size == 1:
         return 0.0
-    return cached_seconds("handoff", [world_size, burst_s, HANDOFF_ROUNDS], lambda: _local_handoff(world_size, burst_s))
+    return cached_measurement(
+        "handoff", [world_size, burst_s, HANDOFF_ROUNDS], lambda: _local_handoff(world_size, burst_s)
+    )
 
 
 def _local_handoff(world_size: int, burst_s: float) -> float:

@@ -76,7 +76,7 @@ def lab_transfer_cpu_s_per_byte(hybrid: Topology) -> float:
                 raise RuntimeError("measuring what the lab's links cost the cores failed; the ranks' output is above")
             return float(result.read_text())
 
-    return calibration.cached_seconds(
+    return calibration.cached_measurement(
         "lab-transfer", [hybrid.world_size, calibration.TRANSFER_BYTES, calibration.TRANSFER_ROUNDS], measure
     )
 
