@@ -12,6 +12,7 @@ from torch import nn
 from holmes_lightning import calibration
 from holmes_lightning.calibration import Calibration, Measurement
 from holmes_lightning.planner import LayerProfile, ModelProfile, PlanOptions
+from holmes_lightning.runtime import HolmesStrategy
 
 MEASURED = Measurement(
     device="cpu:test",
@@ -141,3 +142,10 @@ def test_how_long_each_layer_is_timed_comes_from_the_environment_or_the_default(
         monkeypatch.setenv(calibration.SECONDS_ENV, bad)
         with pytest.raises(ValueError, match=f"HOLMES_CALIBRATION_SECONDS={bad!r}: give the seconds"):
             calibration.layer_seconds()
+
+
+def test_a_strategy_that_calibrates_refuses_a_bad_calibration_time_when_it_is_built(monkeypatch):
+    monkeypatch.setenv(calibration.SECONDS_ENV, "soon")
+    with pytest.raises(ValueError, match="HOLMES_CALIBRATION_SECONDS='soon'"):
+        HolmesStrategy(cluster="single_node")
+    assert HolmesStrategy(cluster="single_node", calibrate=False).calibrate is False  # it never times anything

@@ -129,6 +129,8 @@ class HolmesStrategy(ModelParallelStrategy):
         self.options = replace(options or PlanOptions(), **{k: v for k, v in given.items() if v is not None})
         _check_arguments(self.options, microbatches=microbatches, global_batch=global_batch)
         self.options.sharding = Sharding(self.options.sharding)
+        if calibrate:
+            calibration.layer_seconds()  # a bad $HOLMES_CALIBRATION_SECONDS fails here, before any rank starts
         # Lightning 2.6's CombinedLoader flattens every batch with `lightning/pytorch/utilities/_pytree.py`
         # `_tree_flatten`, which builds `LeafSpec()`; torch >= 2.10 deprecates that class, so each rank printed a
         # FutureWarning once per run (Lightning-AI/pytorch-lightning#21326). Only that message from that module.
