@@ -21,6 +21,8 @@ from types import FrameType
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -100,7 +102,7 @@ class HolmesCheckpoint(ModelCheckpoint):
             return
         now = time.monotonic()
         self.step_s, self._boundary_step, self._boundary_time = now - self._boundary_time, trainer.global_step, now
-        if not trainer.strategy.reduce_boolean_decision(self.received is not None, all=False):
+        if not _any_rank(self.received is not None, trainer.strategy.root_device):
             return
         if not self._should_skip_saving_checkpoint(trainer):  # skipped when this step was just saved on schedule
             self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
@@ -131,3 +133,13 @@ class HolmesCheckpoint(ModelCheckpoint):
         for sig, handler in self._handlers.items():
             signal.signal(sig, handler)
         self._handlers = {}
+
+
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when `flag` is true on any: one all-reduce (Lightning's `reduce_boolean_decision` runs a
+    barrier before it, a second collective every step)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    vote = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(vote, op=dist.ReduceOp.MAX)
+    return bool(vote.item())
