@@ -147,6 +147,12 @@ def train(config: TrainConfig, topology: Topology, strategy: HolmesStrategy, run
     )
     window = max(2, min(20, opt.max_steps // 2))
     rank = default_environment().global_rank()
+    saves = HolmesCheckpoint(
+        config.checkpoint.dir,
+        every_n_steps=config.checkpoint.every_n_steps,
+        keep=config.checkpoint.keep,
+        grace_s=config.checkpoint.grace_s,
+    )
     trainer = L.Trainer(
         accelerator=opt.accelerator,
         devices=len(topology.node_of(rank).ranks),
@@ -161,13 +167,8 @@ def train(config: TrainConfig, topology: Topology, strategy: HolmesStrategy, run
         limit_val_batches=opt.limit_val_batches,
         logger=make_logger(config, run_dir),
         callbacks=[
-            throughput_monitor(model, config.data.global_batch, topology.world_size, window),
-            HolmesCheckpoint(
-                config.checkpoint.dir,
-                every_n_steps=config.checkpoint.every_n_steps,
-                keep=config.checkpoint.keep,
-                grace_s=config.checkpoint.grace_s,
-            ),
+            throughput_monitor(model, config.data.global_batch, topology.world_size, window, lambda: saves.saving_s),
+            saves,
             RunSummary(),
         ],
         default_root_dir=run_dir,

@@ -2,31 +2,57 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import lightning as L
 from lightning.pytorch.callbacks import Callback, ThroughputMonitor
+from lightning.pytorch.trainer.states import RunningStage
 
 from holmes_lightning.recipes.gpt import GPT
 
 
-def throughput_monitor(model: GPT, global_batch: int, world_size: int, window: int) -> ThroughputMonitor:
+def throughput_monitor(
+    model: GPT, global_batch: int, world_size: int, window: int, paused_s: Callable[[], float] = lambda: 0.0
+) -> ThroughputMonitor:
     """Lightning's ThroughputMonitor for a fixed global batch, whatever the pipeline x data-parallel layout.
 
     Each device is credited with an equal share of the step's sequences, tokens and model FLOPs (the monitor sums
     the shares over `world_size`), so pipeline stages that see the same micro-batches are not counted twice.
+    `paused_s`: seconds spent so far outside training steps that the monitor must leave out, as it leaves out
+    validation (`HolmesCheckpoint.saving_s`: checkpoint saves).
     """
     share = global_batch / world_size
     model.flops_per_batch = model.flops_per_token * model.hparams.seq_len * share
-    return ThroughputMonitor(
+    return PausableThroughputMonitor(
+        paused_s,
         batch_size_fn=lambda _batch: share,
         length_fn=lambda _batch: share * model.hparams.seq_len,
         window_size=window,
     )
 
 
+class PausableThroughputMonitor(ThroughputMonitor):
+    """ThroughputMonitor whose training clock also stops for the seconds `paused_s()` adds (a checkpoint save)."""
+
+    def __init__(self, paused_s: Callable[[], float], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.paused_s = paused_s
+        self._paused_seen = 0.0
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        paused = self.paused_s()
+        if trainer.is_global_zero:  # the monitor keeps its clocks on rank 0 only
+            self._t0s[RunningStage.TRAINING] += paused - self._paused_seen  # as Lightning's on_validation_end does
+        self._paused_seen = paused
+        super().on_train_batch_end(trainer, *args)
+
+
 class RunSummary(Callback):
     """Rank 0 prints the training loss (first -> last step), tokens/s next to the plan's prediction, model TFLOPS and
     MFU when training ends.
 
+    Throughput leaves out validation and checkpoint saves (`throughput_monitor`); their seconds follow it.
     MFU is against the calibrated peak: what one rank of this machine computes on this model's layers at full batch
     (`HolmesStrategy.calibration`, measured at job start), not a datasheet number; without a calibration there is none.
     """
@@ -51,7 +77,7 @@ class RunSummary(Callback):
             print(f"{line} | throughput: too few logged steps for the monitor's window (raise trainer.max_steps)")
             return
         measured = float(tokens_per_s) * world
-        line += f" | {measured:,.0f} tokens/s"
+        line += f" | {measured:,.0f} tokens/s (validation and checkpoint saves left out)"
         plan = getattr(trainer.strategy, "plan", None)
         if plan is not None and plan.prediction.tokens_per_s > 0:
             predicted = plan.prediction.tokens_per_s
@@ -64,4 +90,7 @@ class RunSummary(Callback):
                 f" | MFU {per_device / (calibrated.device_tflops * 1e12):.0%} of the calibrated peak "
                 f"({calibrated.device_tflops:.3g} TFLOPS per rank, measured at start)"
             )
+        saving_s = sum(getattr(callback, "saving_s", 0.0) for callback in trainer.checkpoint_callbacks)
+        if saving_s:
+            line += f" | checkpoint saves {saving_s:.1f} s in all"
         print(line, flush=True)

@@ -69,6 +69,7 @@ class HolmesCheckpoint(ModelCheckpoint):
         self.received: signal.Signals | None = None
         self.step_s: float | None = None  # the plan's predicted step, then the last measured one
         self.save_s: float | None = None  # the last save's duration
+        self.saving_s = 0.0  # every save's, in total
         self._handlers: dict[signal.Signals, Any] = {}
         self._boundary_step = -1
         self._boundary_time = 0.0
@@ -117,6 +118,7 @@ class HolmesCheckpoint(ModelCheckpoint):
         started = time.monotonic()
         super()._save_checkpoint(trainer, filepath)
         self.save_s = time.monotonic() - started
+        self.saving_s += self.save_s
         self._boundary_time += self.save_s  # the next step's time is the step's own
 
     @override
