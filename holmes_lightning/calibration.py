@@ -86,6 +86,7 @@ class Calibration:
     message between two ranks while all compute. Links run at their configured speed x `bandwidth_scale` (the lab's;
     1 on a real network). `shared_cores`: every rank computes on this many cores of one machine (`share` is then 1);
     `transfer_cpu_s_per_byte`: what moving a byte between two of them costs those cores (0: not measured).
+    `closing_s`: what a pipelined step's small collectives over every rank took at job start (None: not measured).
     """
 
     gflops: float
@@ -104,6 +105,7 @@ class Calibration:
     device: str = ""
     shared_cores: float | None = None
     transfer_cpu_s_per_byte: float = 0.0
+    closing_s: float | None = None
 
     @classmethod
     def of(
@@ -117,6 +119,7 @@ class Calibration:
         scale_reason: str = "configured link speeds",
         shared_cores: float | None = None,
         transfer_cpu_s_per_byte: float = 0.0,
+        closing_s: float | None = None,
     ) -> Calibration:
         """A rank's costs from one process's `measured` ones, when it gets `share` of the device; `shared_cores`: every
         rank of the job computes on this many cores of one machine (share 1: the cost model times the sharing)."""
@@ -139,6 +142,7 @@ class Calibration:
             device=measured.device,
             shared_cores=shared_cores,
             transfer_cpu_s_per_byte=transfer_cpu_s_per_byte,
+            closing_s=closing_s,
         )
 
     def plan_options(self, options: PlanOptions, peak_tflops: float | None = None) -> PlanOptions:
@@ -155,6 +159,7 @@ class Calibration:
             fsdp_reshard_layer_s=self.fsdp_reshard_layer_s,
             fsdp_optimizer_layer_s=self.fsdp_optimizer_layer_s,
             shared_cores=options.shared_cores if self.shared_cores is None else self.shared_cores,
+            closing_s=options.closing_s if self.closing_s is None else self.closing_s,
         )
 
     def as_devices(self, world_size: int) -> Calibration:
@@ -184,6 +189,9 @@ class Calibration:
             f", {moving:.2g} CPU-s per GB moved between ranks" if moving else ""
         )
 
+    def _closing(self) -> str:
+        return "" if self.closing_s is None else f", a step's closing collectives {self.closing_s * 1e3:.2f} ms"
+
     def describe(self) -> str:
         return (
             f"{self.device or 'this device'}, one rank measured alone: {self.gflops:.3g} GFLOP/s per sample + "
@@ -192,7 +200,8 @@ class Calibration:
             f"layer_overhead_s={self.layer_overhead_s:.3g}, optimizer_s_per_gb={self.optimizer_s_per_gb:.3g}, FSDP "
             f"per layer {self.fsdp_layer_s * 1e3:.2f} ms (kept) / {self.fsdp_reshard_layer_s * 1e3:.2f} ms "
             f"(resharded) + optimizer {self.fsdp_optimizer_layer_s * 1e3:.2f} ms; message latency "
-            f"{self.latency_s * 1e3:.2f} ms; bandwidth_scale={self.bandwidth_scale:.3g} ({self.scale_reason})"
+            f"{self.latency_s * 1e3:.2f} ms{self._closing()}; bandwidth_scale={self.bandwidth_scale:.3g} "
+            f"({self.scale_reason})"
         )
 
 
@@ -479,6 +488,37 @@ def handoff_latency_s(device: torch.device, *, burst_s: float = HANDOFF_BURST_S,
     mine = torch.tensor([latency, float(paired)], device=device)
     dist.all_reduce(mine)
     return float(mine[0] / mine[1])
+
+
+def step_collectives_s(
+    device: torch.device, collectives: int, *, burst_s: float = HANDOFF_BURST_S, rounds: int = HANDOFF_ROUNDS
+) -> float:
+    """Seconds a step spends in `collectives` small collectives over every rank, one after another, each after a
+    little host work (the loss's all-reduce, Lightning's stop-signal broadcast, a clipping norm's all-reduce).
+
+    Every rank of the default group calls it: all first compute `rounds` bursts of `burst_s` (this thread's CPU time),
+    then as many bursts each followed by the collectives, a scalar all-reduce each; the difference per burst is their
+    time, the slowest rank's (on shared cores it includes waking the ranks that wait).
+    """
+    if dist.get_world_size() == 1 or collectives == 0:
+        return 0.0
+    scalar = torch.zeros(1, device=device)
+    work = torch.full((64, 64), 0.01, device=device)
+    seconds = []
+    for reduce in (False, True):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(rounds):
+            until = time.thread_time() + burst_s
+            while time.thread_time() < until:
+                torch.mm(work, work)
+            for _ in range(collectives if reduce else 0):
+                dist.all_reduce(scalar)
+        _synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    mine = torch.tensor([max(seconds[1] - seconds[0], 0.0) / rounds], device=device)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return float(mine[0])
 
 
 def transfer_cpu_s_per_byte(nbytes: int = TRANSFER_BYTES, rounds: int = TRANSFER_ROUNDS) -> float:

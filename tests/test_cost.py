@@ -4,6 +4,7 @@ DTensor optimizer step, bucketed replica syncs, message latency)."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -78,6 +79,8 @@ def test_a_message_costs_its_latency_besides_its_bytes_and_a_pipelined_step_clos
     pipelined = plan(TOPOLOGY, PROFILE, BatchSettings(16), options)
     assert all(stage.closing_s == pytest.approx(6 * LATENCY) for stage in pipelined.stages)
     assert all(send == pytest.approx(LATENCY, rel=0.5) for send in pipelined.stages[0].send_s)
+    measured = plan(TOPOLOGY, PROFILE, BatchSettings(16), replace(options, closing_s=0.004))
+    assert [stage.closing_s for stage in measured.stages] == [0.004, 0.004]  # measured at job start: as it is
 
 
 def test_without_a_pipeline_a_step_is_one_pass_over_the_replica_batch():

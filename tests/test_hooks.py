@@ -167,7 +167,14 @@ def pipelined_runs(checkpoint: str) -> dict[str, Any]:
     alone = _on_their_own(_strategy(), batch_size)
     L.seed_everything(SEED + 1)  # other initial weights: the checkpoint's must replace them
     restored = _trainer(_strategy()).validate(MetricMLP(), _loaders(batch_size)["val"], ckpt_path=checkpoint)[0]
-    return {"fit": fitted, "alone": alone, "restored": restored, "last_stage": strategy.pipeline.is_last}
+    closing = [strategy.calibration.closing_s, *(stage.closing_s for stage in strategy.plan.stages)]
+    return {
+        "fit": fitted,
+        "alone": alone,
+        "restored": restored,
+        "last_stage": strategy.pipeline.is_last,
+        "closing": closing,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -295,3 +302,12 @@ def test_manual_optimization_with_a_pipeline_is_refused_before_any_process_group
     with mock.patch.dict(os.environ), pytest.raises(ValueError, match=r"pp=2 needs Lightning's automatic optim"):
         _trainer(strategy).fit(ManualMLP(), tiny_loader(8, 4))
     assert not dist.is_initialized()
+
+
+@pytest.mark.slow
+def test_a_steps_closing_collectives_are_measured_at_job_start_and_planned_with(ranks: list[dict]) -> None:
+    """The loss's all-reduce and Lightning's stop broadcast (no clipping, no HolmesCheckpoint): every rank measured
+    the same seconds, and every stage of the plan closes with them."""
+    measured = ranks[0]["closing"][0]
+    assert 0 < measured < 1
+    assert all(result["closing"] == [measured] * (1 + 2) for result in ranks)

@@ -54,6 +54,8 @@ class CostModel:
     - Pipeline transfers: activation bytes over the link between the stages, plus `latency_s` per message. On gloo
       the first `GLOO_EARLY_BYTES` of a message cross before the receiver posts its recv (`early_s`); NCCL moves
       nothing until both sides are posted.
+    - A pipelined step closes with small collectives over every rank (the loss's all-reduce, the training loop's
+      own): `closing_s` where measured (HolmesStrategy does, at job start), else the loss's at `latency_s`.
     - `shared_cores`: every rank computes on this many CPU cores of one machine (None: each on its own device), at
       its speed alone while no more ranks than cores compute, slower beside more (`planner.sharing`); its optimizer
       step runs beside every other rank's.
@@ -78,6 +80,7 @@ class CostModel:
     fsdp_reshard_layer_s: float = 0.0
     fsdp_optimizer_layer_s: float = 0.0
     shared_cores: float | None = None
+    closing_s: float | None = None
 
     def layer_seconds(self, device_tflops: float) -> tuple[list[float], list[float]]:
         """Forward and backward seconds per sample of every layer on a device of this peak speed."""
@@ -150,8 +153,11 @@ class CostModel:
         return early / link.bytes_per_s
 
     def step_collective_s(self, world_size: int) -> float:
-        """A pipelined step ends with one all-reduce of a scalar over every rank (the loss every rank logs): its
-        latency, 2 (n-1) messages in gloo's ring, 2 log2(n) in NCCL's tree."""
+        """What a pipelined step spends after its schedule in small collectives over every rank: `closing_s` where
+        measured, else the all-reduce of the loss every rank logs: its latency, 2 (n-1) messages in gloo's ring,
+        2 log2(n) in NCCL's tree."""
+        if self.closing_s is not None:
+            return self.closing_s
         messages = 2 * (world_size - 1) if self.backend == "gloo" else 2 * math.ceil(math.log2(world_size))
         return messages * self.latency_s
 

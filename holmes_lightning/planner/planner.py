@@ -61,7 +61,9 @@ class PlanOptions:
     efficiency, at job start). dp_overlap: fraction of DP sync hidden under the computation without a pipeline.
     state_multiplier: bytes of weights, grads and optimizer state per parameter byte. memory_limit_gb: per device,
     None = unchecked. shared_cores: every rank computes on this many CPU cores of one machine (HolmesStrategy sets it
-    for CPU ranks on one host, the bench for the lab); None: each rank on its own device.
+    for CPU ranks on one host, the bench for the lab); None: each rank on its own device. closing_s: seconds a
+    pipelined step spends after its schedule in small collectives over every rank (HolmesStrategy measures them);
+    None: the loss's all-reduce at latency_s.
     """
 
     schedule: str = "1F1B"
@@ -83,6 +85,7 @@ class PlanOptions:
     state_multiplier: float = 4.0
     memory_limit_gb: float | None = None
     shared_cores: float | None = None
+    closing_s: float | None = None
 
     @property
     def chunks(self) -> int:
@@ -106,6 +109,7 @@ def cost_model(topology: Topology, profile: ModelProfile, options: PlanOptions, 
         fsdp_reshard_layer_s=options.fsdp_reshard_layer_s,
         fsdp_optimizer_layer_s=options.fsdp_optimizer_layer_s,
         shared_cores=options.shared_cores,
+        closing_s=options.closing_s,
     )
 
 
@@ -356,6 +360,7 @@ def _check_request(profile: ModelProfile, batch: BatchSettings, options: PlanOpt
             options.shared_cores,
             "use the machine's core count, or null (a device per rank)",
         ),
+        (options.closing_s is None or options.closing_s >= 0, "strategy.closing_s", options.closing_s, "use >= 0"),
     ]
     for ok, name, value, fix in checks:
         if not ok:

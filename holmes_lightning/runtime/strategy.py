@@ -45,7 +45,7 @@ import holmes_lightning.runtime.checkpoint as checkpoint
 import holmes_lightning.runtime.nccl as nccl
 import holmes_lightning.runtime.resume as resume
 from holmes_lightning import calibration, planner
-from holmes_lightning.calibration import Calibration, handoff_latency_s
+from holmes_lightning.calibration import Calibration, handoff_latency_s, step_collectives_s
 from holmes_lightning.measure import available_cores, first_sample, profile_modules, rank_share
 from holmes_lightning.planner import SCHEDULES, BatchSettings, LayerProfile, ModelProfile, Plan, PlanOptions, Sharding
 from holmes_lightning.planner.planner import LAYOUTS, SHARDINGS
@@ -64,6 +64,7 @@ from holmes_lightning.runtime.pipeline import (
     split_batch,
 )
 from holmes_lightning.runtime.placement import choose_device, describe_emulation, host_position
+from holmes_lightning.runtime.preemption import HolmesCheckpoint
 from holmes_lightning.runtime.sharding import clip_grad_norm_, parallelize
 from holmes_lightning.topology import ClusterSpec, Topology, load_cluster_spec
 
@@ -314,6 +315,7 @@ class HolmesStrategy(ModelParallelStrategy):
         assert self.lightning_module is not None
         calibrating = self.calibrate and self.plan is None and not missing_contract(self.lightning_module)
         latency = handoff_latency_s(self.root_device) if calibrating else 0.0
+        closing = step_collectives_s(self.root_device, _step_collectives(trainer)) if calibrating else None
         alone = dist.new_group([0]) if calibrating else None
         outcome: tuple[str, str, dict | None] | Exception | None = None
         if self.global_rank == 0:
@@ -326,6 +328,7 @@ class HolmesStrategy(ModelParallelStrategy):
                 else:
                     if calibrating and sample is not None:
                         calibrated = self._calibrate(sample, profile, latency_s=latency, group=alone)
+                        calibrated = replace(calibrated, closing_s=closing)
                     chosen = self._make_plan(profile, calibrated)
                 described = format_plan(chosen, profile)
                 if calibrated is not None:
@@ -636,6 +639,15 @@ class HolmesStrategy(ModelParallelStrategy):
             _set_rng_states(self._resumed_rng)
             self._resumed_rng = None
         super().on_train_batch_start(batch, batch_idx)
+
+
+def _step_collectives(trainer: pl.Trainer) -> int:
+    """The small collectives over every rank a pipelined training step runs after its schedule: the loss's
+    all-reduce, the training loop's broadcast of rank 0's stop signal (Lightning 2.5+), the clipping norm's
+    all-reduce, each HolmesCheckpoint's stop vote."""
+    count = 1 + hasattr(trainer.fit_loop.epoch_loop, "_broadcast_sigterm_tensor")
+    count += bool(trainer.gradient_clip_val) and trainer.gradient_clip_algorithm in (None, "norm")
+    return count + sum(isinstance(callback, HolmesCheckpoint) for callback in trainer.callbacks)
 
 
 def _sample_inputs(trainer: pl.Trainer, model_name: str) -> torch.Tensor:
