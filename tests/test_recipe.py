@@ -1,16 +1,18 @@
 import math
 import re
+import time
 
 import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
+from lightning.pytorch.trainer.states import RunningStage
 from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
 from holmes_lightning.config import ConfigError, DataConfig, ModelConfig, TrainerConfig, register_configs
-from holmes_lightning.recipes import GPT, ByteCorpusDataModule, stdlib_corpus
+from holmes_lightning.recipes import GPT, ByteCorpusDataModule, stdlib_corpus, throughput_monitor
 from holmes_lightning.recipes.data import ByteWindows, stdlib_sources
 from holmes_lightning.topology import config_dir
 
@@ -164,3 +166,35 @@ def test_shipped_model_and_trainer_configs_validate():
             config = OmegaConf.to_object(compose("config", overrides=[f"model={model}"]))
             assert config.model.name == model
             assert config.trainer.max_steps > config.trainer.warmup_steps
+
+
+class PauseAtStep(L.Callback):
+    """Sleeps `seconds` after step `step`, as a checkpoint save would, and counts them like `HolmesCheckpoint`."""
+
+    def __init__(self, step: int, seconds: float) -> None:
+        self.step, self.seconds, self.saving_s = step, seconds, 0.0
+
+    def on_train_batch_end(self, trainer: L.Trainer, *_args: object) -> None:
+        if trainer.global_step == self.step:
+            time.sleep(self.seconds)
+            self.saving_s += self.seconds
+
+
+def test_the_throughput_monitor_leaves_out_paused_seconds_as_it_leaves_out_validation():
+    model = tiny_gpt()
+    pause = PauseAtStep(step=3, seconds=0.3)
+    counted = throughput_monitor(model, 8, 1, window=4)
+    paused = throughput_monitor(model, 8, 1, window=4, paused_s=lambda: pause.saving_s)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=6,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[counted, paused, pause],  # the pause runs after both monitors' step ends, as a save does
+    )
+    trainer.fit(model, ByteCorpusDataModule(seq_len=16, global_batch=8, corpus_bytes=50_000))
+    elapsed = [monitor._throughputs[RunningStage.TRAINING]._time[-1] for monitor in (counted, paused)]
+    assert elapsed[0] - elapsed[1] == pytest.approx(0.3, abs=0.02)  # both clocks read the same steps otherwise
