@@ -14,11 +14,11 @@ Each is the median of rounds (every kind of pass once per round) repeated for `L
 ($HOLMES_CALIBRATION_SECONDS overrides it): a shared machine's speed drifts by 10-20% over seconds, so a second of
 rounds says more than a few of them.
 These single-process results are cached per device, torch version and model shape (`cache_dir()`); a later job with
-the same ones reads them instead. With every rank of the job (a collective, `handoff_latency_s`): the latency of a
-message between two ranks while every rank computes. When every rank of the job computes on one machine's CPU cores,
-the cost model gets a rank's speed alone and the core count, and times how fast each computes beside the others
-(`planner.sharing`); CPU ranks spread over several machines are each credited their share of their machine's cores
-(`measure.rank_share`).
+the same ones reads them instead. With every rank of the job (collectives, `handoff`, `step_collectives_s`): the
+latency and CPU of a message between two ranks while every rank computes, and a step's closing collectives. When
+every rank of the job computes on one machine's CPU cores, the cost model gets a rank's speed alone, the core count
+and a message's CPU, and times how fast each computes beside the others (`planner.sharing`); CPU ranks spread over
+several machines are each credited their share of their machine's cores (`measure.rank_share`).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -86,7 +87,8 @@ class Calibration:
     message between two ranks while all compute. Links run at their configured speed x `bandwidth_scale` (the lab's;
     1 on a real network). `shared_cores`: every rank computes on this many cores of one machine (`share` is then 1);
     `transfer_cpu_s_per_byte`: what moving a byte between two of them costs those cores (0: not measured).
-    `closing_s`: what a pipelined step's small collectives over every rank took at job start (None: not measured).
+    `closing_s`: what a pipelined step's small collectives over every rank took at job start (None: not measured);
+    `message_cpu_s`: the CPU seconds both ends of a pipeline message spend on it (0: not measured).
     """
 
     gflops: float
@@ -106,6 +108,7 @@ class Calibration:
     shared_cores: float | None = None
     transfer_cpu_s_per_byte: float = 0.0
     closing_s: float | None = None
+    message_cpu_s: float = 0.0
 
     @classmethod
     def of(
@@ -160,6 +163,7 @@ class Calibration:
             fsdp_optimizer_layer_s=self.fsdp_optimizer_layer_s,
             shared_cores=options.shared_cores if self.shared_cores is None else self.shared_cores,
             closing_s=options.closing_s if self.closing_s is None else self.closing_s,
+            message_cpu_s=self.message_cpu_s,
         )
 
     def as_devices(self, world_size: int) -> Calibration:
@@ -190,7 +194,8 @@ class Calibration:
         )
 
     def _closing(self) -> str:
-        return "" if self.closing_s is None else f", a step's closing collectives {self.closing_s * 1e3:.2f} ms"
+        closing = "" if self.closing_s is None else f", a step's closing collectives {self.closing_s * 1e3:.2f} ms"
+        return closing + (f", {self.message_cpu_s * 1e3:.2f} CPU-ms per message" if self.message_cpu_s else "")
 
     def describe(self) -> str:
         return (
@@ -448,46 +453,41 @@ def _single_rank_mesh(device: torch.device, group: dist.ProcessGroup | None) -> 
         dist.destroy_process_group()
 
 
-def handoff_latency_s(device: torch.device, *, burst_s: float = HANDOFF_BURST_S, rounds: int = HANDOFF_ROUNDS) -> float:
-    """Seconds a small message between two ranks takes while every rank computes: a pipeline's hand-off.
+class Handoff(NamedTuple):
+    """A message between two ranks while every rank computes: its seconds, and the CPU seconds both ends spend on it
+    (every thread of their processes: the sockets, the wake-ups)."""
+
+    latency_s: float
+    cpu_s: float
+
+
+def handoff(device: torch.device, *, burst_s: float = HANDOFF_BURST_S, rounds: int = HANDOFF_ROUNDS) -> Handoff:
+    """A pipeline's hand-off between two ranks, timed while every rank computes.
 
     Every rank of the default group calls it. Ranks pair up (0-1, 2-3, ...); all first compute `rounds` bursts of
     `burst_s` (this thread's CPU time, whatever else runs), then compute as much and swap a message with their partner
     after each burst; the difference per message is its latency (on a CPU whose cores the ranks share, mostly the
-    time a woken rank waits for one). Every rank gets the mean over the pairs.
+    time a woken rank waits for one) and its CPU. Every rank gets the means over the pairs.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     partner = rank ^ 1
     if world == 1:
-        return 0.0
+        return Handoff(0.0, 0.0)
     message = torch.zeros(1, device=device)
-    work = torch.full((64, 64), 0.01, device=device)
-
-    def compute() -> None:
-        until = time.thread_time() + burst_s
-        while time.thread_time() < until:
-            torch.mm(work, work)
-        _synchronize(device)
 
     def exchange() -> None:
+        if partner >= world:
+            return
         first, then = (dist.send, dist.recv) if rank % 2 == 0 else (dist.recv, dist.send)
         first(message, partner)
         then(message, partner)
 
-    seconds = []
-    for swap in (False, True):
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(rounds):
-            compute()
-            if swap and partner < world:
-                exchange()
-        seconds.append(time.perf_counter() - start)
-    paired = partner < world
-    latency = max(seconds[1] - seconds[0], 0.0) / (2 * rounds) if paired else 0.0
-    mine = torch.tensor([latency, float(paired)], device=device)
+    wall_s, cpu_s = _extra_per_round(exchange, device, burst_s=burst_s, rounds=rounds)
+    paired = float(partner < world)
+    mine = torch.tensor([wall_s / 2 * paired, cpu_s * paired, paired], device=device)  # 2 messages per round
     dist.all_reduce(mine)
-    return float(mine[0] / mine[1])
+    latency_s, cpu_per_rank, pairs = (float(value) for value in mine)
+    return Handoff(latency_s / pairs, cpu_per_rank / pairs)  # a message: one end's CPU per round is both ends' share
 
 
 def step_collectives_s(
@@ -496,29 +496,42 @@ def step_collectives_s(
     """Seconds a step spends in `collectives` small collectives over every rank, one after another, each after a
     little host work (the loss's all-reduce, Lightning's stop-signal broadcast, a clipping norm's all-reduce).
 
-    Every rank of the default group calls it: all first compute `rounds` bursts of `burst_s` (this thread's CPU time),
-    then as many bursts each followed by the collectives, a scalar all-reduce each; the difference per burst is their
-    time, the slowest rank's (on shared cores it includes waking the ranks that wait).
+    Every rank of the default group calls it, timed as `handoff` times a message (the collectives after each burst,
+    a scalar all-reduce each); the slowest rank's time (on shared cores it includes waking the ranks that wait).
     """
     if dist.get_world_size() == 1 or collectives == 0:
         return 0.0
     scalar = torch.zeros(1, device=device)
+
+    def reduce() -> None:
+        for _ in range(collectives):
+            dist.all_reduce(scalar)
+
+    mine = torch.tensor([_extra_per_round(reduce, device, burst_s=burst_s, rounds=rounds)[0]], device=device)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return float(mine[0])
+
+
+def _extra_per_round(
+    action: Callable[[], None], device: torch.device, *, burst_s: float, rounds: int
+) -> tuple[float, float]:
+    """What `action` adds to each of `rounds` bursts of computing `burst_s` (this thread's CPU time) on every rank:
+    wall seconds, and CPU seconds of this process (all its threads)."""
     work = torch.full((64, 64), 0.01, device=device)
-    seconds = []
-    for reduce in (False, True):
+    measured = []
+    for act in (False, True):
         dist.barrier()
-        start = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         for _ in range(rounds):
             until = time.thread_time() + burst_s
             while time.thread_time() < until:
                 torch.mm(work, work)
-            for _ in range(collectives if reduce else 0):
-                dist.all_reduce(scalar)
-        _synchronize(device)
-        seconds.append(time.perf_counter() - start)
-    mine = torch.tensor([max(seconds[1] - seconds[0], 0.0) / rounds], device=device)
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-    return float(mine[0])
+            _synchronize(device)
+            if act:
+                action()
+        measured.append((time.perf_counter() - wall, time.process_time() - cpu))
+    (wall_alone, cpu_alone), (wall, cpu) = measured
+    return max(wall - wall_alone, 0.0) / rounds, max(cpu - cpu_alone, 0.0) / rounds
 
 
 def transfer_cpu_s_per_byte(nbytes: int = TRANSFER_BYTES, rounds: int = TRANSFER_ROUNDS) -> float:
@@ -575,7 +588,7 @@ def cached_measurement(kind: str, key: list, measure: Callable[[], float]) -> fl
 
 
 def local_handoff_latency_s(world_size: int, *, burst_s: float = HANDOFF_BURST_S) -> float:
-    """`handoff_latency_s` of `world_size` single-thread ranks on this machine (loopback), started here for it, or
+    """`handoff`'s latency for `world_size` single-thread ranks on this machine (loopback), started here for it, or
     the cached result for this device and rank count."""
     if world_size == 1:
         return 0.0
@@ -587,11 +600,11 @@ def local_handoff_latency_s(world_size: int, *, burst_s: float = HANDOFF_BURST_S
 def _local_handoff(world_size: int, burst_s: float) -> float:
     port = free_port()
     code = (
-        "import sys, torch, torch.distributed as dist; from holmes_lightning.calibration import handoff_latency_s; "
+        "import sys, torch, torch.distributed as dist; from holmes_lightning.calibration import handoff; "
         "rank, world, port, burst = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]); "
         "torch.set_num_threads(1); "
         "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=world); "
-        "print(handoff_latency_s(torch.device('cpu'), burst_s=burst)); dist.destroy_process_group()"
+        "print(handoff(torch.device('cpu'), burst_s=burst).latency_s); dist.destroy_process_group()"
     )
     ranks = [
         subprocess.Popen(

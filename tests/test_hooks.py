@@ -167,13 +167,15 @@ def pipelined_runs(checkpoint: str) -> dict[str, Any]:
     alone = _on_their_own(_strategy(), batch_size)
     L.seed_everything(SEED + 1)  # other initial weights: the checkpoint's must replace them
     restored = _trainer(_strategy()).validate(MetricMLP(), _loaders(batch_size)["val"], ckpt_path=checkpoint)[0]
-    closing = [strategy.calibration.closing_s, *(stage.closing_s for stage in strategy.plan.stages)]
+    calibrated = strategy.calibration
+    closing = [calibrated.closing_s, *(stage.closing_s for stage in strategy.plan.stages)]
     return {
         "fit": fitted,
         "alone": alone,
         "restored": restored,
         "last_stage": strategy.pipeline.is_last,
         "closing": closing,
+        "message_cpu_s": calibrated.message_cpu_s,
     }
 
 
@@ -305,9 +307,11 @@ def test_manual_optimization_with_a_pipeline_is_refused_before_any_process_group
 
 
 @pytest.mark.slow
-def test_a_steps_closing_collectives_are_measured_at_job_start_and_planned_with(ranks: list[dict]) -> None:
+def test_a_steps_closing_collectives_and_a_messages_cpu_are_measured_at_job_start(ranks: list[dict]) -> None:
     """The loss's all-reduce and Lightning's stop broadcast (no clipping, no HolmesCheckpoint): every rank measured
-    the same seconds, and every stage of the plan closes with them."""
+    the same seconds, and every stage of the plan closes with them; a message's CPU, alike on every rank."""
     measured = ranks[0]["closing"][0]
     assert 0 < measured < 1
     assert all(result["closing"] == [measured] * (1 + 2) for result in ranks)
+    assert 0 < ranks[0]["message_cpu_s"] < 1
+    assert len({result["message_cpu_s"] for result in ranks}) == 1

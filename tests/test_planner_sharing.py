@@ -1,5 +1,7 @@
 """Ranks that share CPU cores (`planner.sharing`): hand-computed steps, and what must hold on any pipeline."""
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -126,3 +128,25 @@ def test_moving_bytes_on_shared_cores_costs_the_cores_what_each_byte_takes():
         moved = [after.forward_s[0] - before.forward_s[0], after.backward_s[0] - before.backward_s[0]]
         assert moved == pytest.approx(added_s)
     assert costly.prediction.total_s > free.prediction.total_s
+
+
+def test_a_pipeline_messages_cpu_joins_the_pass_that_sends_it_on_shared_cores_only():
+    """Interleaved 1F1B on 2 stages: 4 virtual stages, each forward but the last sends, each backward but the first;
+    with `message_cpu_s` c those passes take c longer, on ranks that share cores (a device's compute loses nothing)."""
+    topology = Topology.from_config("two_cluster_mixed")
+    layers = tuple(LayerProfile(f"block{i}", 4e10, 8e10, 8e6, 1e6, 4e6) for i in range(8))
+    profile = ModelProfile("toy", layers, tokens_per_sample=64)
+    options = PlanOptions(backend="gloo", pp=2, schedule="Interleaved1F1B", partition=[2, 2, 2, 2], efficiency=0.25)
+    c = 0.003
+    for cores, added in ((2, c), (None, 0.0)):
+        shared = replace(options, shared_cores=cores)
+        batch = BatchSettings(16, microbatches=4)
+        free, costly = (plan(topology, profile, batch, replace(shared, message_cpu_s=x)) for x in (0.0, c))
+        for stage, (first, second) in enumerate(zip(free.stages, costly.stages, strict=True)):
+            virtual = (stage, stage + 2)  # loop placement
+            forward = [added if v < 3 else 0.0 for v in virtual]
+            backward = [added if v > 0 else 0.0 for v in virtual]
+            moved_forward = [b - a for a, b in zip(first.forward_s, second.forward_s, strict=True)]
+            moved_backward = [b - a for a, b in zip(first.backward_s, second.backward_s, strict=True)]
+            assert moved_forward == pytest.approx(forward) and moved_backward == pytest.approx(backward)
+        assert (costly.prediction.total_s > free.prediction.total_s) == (cores is not None)

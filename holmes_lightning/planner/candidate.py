@@ -100,6 +100,11 @@ class Candidate:
         link = self._out_links[virtual_stage]
         return 0.0 if link is None else self.cost.transfer_s(self._activation[stop - 1], link)
 
+    def message_cpu_s(self, virtual_stage: int, *, backward: bool = False) -> float:
+        """The CPU of the message a virtual stage's forward (to the next) or backward (to the previous) sends."""
+        sends = virtual_stage > 0 if backward else virtual_stage < self.virtual - 1
+        return self.cost.pass_message_cpu_s if sends else 0.0
+
     def early_s(self, virtual_stage: int, stop: int) -> float:
         """Of `send_s`, the seconds that may run before the receiver posts its recv (gloo)."""
         link = self._out_links[virtual_stage]
@@ -191,8 +196,10 @@ class Candidate:
         pp, chunks = self.layout.pp, self.chunks
         ranges = self.bounds_of(counts)
         stage_of = [locate_virtual(v, pp)[0] for v in range(self.virtual)]
-        forward = [self.forward_s(stage_of[v], a, b) for v, (a, b) in enumerate(ranges)]
-        backward = [self.backward_s(stage_of[v], a, b) for v, (a, b) in enumerate(ranges)]
+        forward = [self.forward_s(stage_of[v], a, b) + self.message_cpu_s(v) for v, (a, b) in enumerate(ranges)]
+        backward = [
+            self.backward_s(stage_of[v], a, b) + self.message_cpu_s(v, backward=True) for v, (a, b) in enumerate(ranges)
+        ]
         send = [self.send_s(v, b) for v, (_, b) in enumerate(ranges)]
         tails = []
         for s in range(pp):
@@ -211,11 +218,13 @@ class Candidate:
         ranges = self.bounds_of(counts)
         plans = []
         for s, group in enumerate(self.layout.stages):
-            own = tuple(ranges[k] for k in virtual_stages(s, self.chunks, pp))
-            outs = [(k, b) for k, (_, b) in zip(virtual_stages(s, self.chunks, pp), own, strict=True)]  # sends
+            virtual = virtual_stages(s, self.chunks, pp)
+            own = tuple(ranges[k] for k in virtual)
+            placed = list(zip(virtual, own, strict=True))
+            outs = [(k, b) for k, (_, b) in placed]  # sends
             link, dp_link = self.hardware.send_links[s], self.hardware.dp_links[s]
-            forward = tuple(self.forward_s(s, a, b) for a, b in own)
-            backward = tuple(self.backward_s(s, a, b) for a, b in own)
+            forward = tuple(self.forward_s(s, a, b) + self.message_cpu_s(k) for k, (a, b) in placed)
+            backward = tuple(self.backward_s(s, a, b) + self.message_cpu_s(k, backward=True) for k, (a, b) in placed)
             params = sum(self.param_bytes(a, b) for a, b in own)
             layers = sum(b - a for a, b in own)
             plans.append(

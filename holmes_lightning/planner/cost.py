@@ -58,7 +58,8 @@ class CostModel:
       own): `closing_s` where measured (HolmesStrategy does, at job start), else the loss's at `latency_s`.
     - `shared_cores`: every rank computes on this many CPU cores of one machine (None: each on its own device), at
       its speed alone while no more ranks than cores compute, slower beside more (`planner.sharing`); its optimizer
-      step runs beside every other rank's.
+      step runs beside every other rank's, and a pipeline message's CPU (`message_cpu_s`, both ends) joins the pass
+      that sends it.
     - Memory per device, what training allocates beyond the process's own baseline (interpreter, torch, CUDA
       context): the rank's parameters x `state_multiplier` (weights + grads + optimizer states per parameter byte;
       4 for fp32 AdamW), FSDP's unsharded weights and gradients, and the activations autograd keeps for the
@@ -81,6 +82,7 @@ class CostModel:
     fsdp_optimizer_layer_s: float = 0.0
     shared_cores: float | None = None
     closing_s: float | None = None
+    message_cpu_s: float = 0.0
 
     def layer_seconds(self, device_tflops: float) -> tuple[list[float], list[float]]:
         """Forward and backward seconds per sample of every layer on a device of this peak speed."""
@@ -151,6 +153,11 @@ class CostModel:
         """The part of `transfer_s` that may run before the receiver posts its recv."""
         early = min(nbytes, GLOO_EARLY_BYTES) if self.backend == "gloo" else 0.0
         return early / link.bytes_per_s
+
+    @property
+    def pass_message_cpu_s(self) -> float:
+        """What a pass that sends a pipeline message adds for the message's CPU: ranks sharing cores only."""
+        return self.message_cpu_s if self.shared_cores is not None else 0.0
 
     def step_collective_s(self, world_size: int) -> float:
         """What a pipelined step spends after its schedule in small collectives over every rank: `closing_s` where

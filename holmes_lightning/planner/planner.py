@@ -63,7 +63,8 @@ class PlanOptions:
     None = unchecked. shared_cores: every rank computes on this many CPU cores of one machine (HolmesStrategy sets it
     for CPU ranks on one host, the bench for the lab); None: each rank on its own device. closing_s: seconds a
     pipelined step spends after its schedule in small collectives over every rank (HolmesStrategy measures them);
-    None: the loss's all-reduce at latency_s.
+    None: the loss's all-reduce at latency_s. message_cpu_s: CPU seconds both ends of a pipeline message spend on it,
+    which ranks sharing cores lose for computing (HolmesStrategy measures it for CPU ranks on one host).
     """
 
     schedule: str = "1F1B"
@@ -86,6 +87,7 @@ class PlanOptions:
     memory_limit_gb: float | None = None
     shared_cores: float | None = None
     closing_s: float | None = None
+    message_cpu_s: float = 0.0
 
     @property
     def chunks(self) -> int:
@@ -110,6 +112,7 @@ def cost_model(topology: Topology, profile: ModelProfile, options: PlanOptions, 
         fsdp_optimizer_layer_s=options.fsdp_optimizer_layer_s,
         shared_cores=options.shared_cores,
         closing_s=options.closing_s,
+        message_cpu_s=options.message_cpu_s,
     )
 
 
@@ -361,6 +364,7 @@ def _check_request(profile: ModelProfile, batch: BatchSettings, options: PlanOpt
             "use the machine's core count, or null (a device per rank)",
         ),
         (options.closing_s is None or options.closing_s >= 0, "strategy.closing_s", options.closing_s, "use >= 0"),
+        (options.message_cpu_s >= 0, "strategy.message_cpu_s", options.message_cpu_s, "use CPU seconds >= 0"),
     ]
     for ok, name, value, fix in checks:
         if not ok:

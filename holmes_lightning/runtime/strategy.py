@@ -45,7 +45,7 @@ import holmes_lightning.runtime.checkpoint as checkpoint
 import holmes_lightning.runtime.nccl as nccl
 import holmes_lightning.runtime.resume as resume
 from holmes_lightning import calibration, planner
-from holmes_lightning.calibration import Calibration, handoff_latency_s, step_collectives_s
+from holmes_lightning.calibration import Calibration, Handoff, handoff, step_collectives_s
 from holmes_lightning.measure import available_cores, first_sample, profile_modules, rank_share
 from holmes_lightning.planner import SCHEDULES, BatchSettings, LayerProfile, ModelProfile, Plan, PlanOptions, Sharding
 from holmes_lightning.planner.planner import LAYOUTS, SHARDINGS
@@ -309,12 +309,12 @@ class HolmesStrategy(ModelParallelStrategy):
         """Rank 0 profiles the model once, calibrates this machine on it and plans (or checks the given plan); every
         rank gets the plan and the calibration, or the error.
 
-        Calibrating takes every rank first: they time a message between two of them while all compute, and make the
-        group of rank 0 alone that FSDP is timed on.
+        Calibrating takes every rank first: they time a message between two of them while all compute (its latency
+        and CPU) and the step's closing collectives, and make the group of rank 0 alone that FSDP is timed on.
         """
         assert self.lightning_module is not None
         calibrating = self.calibrate and self.plan is None and not missing_contract(self.lightning_module)
-        latency = handoff_latency_s(self.root_device) if calibrating else 0.0
+        message = handoff(self.root_device) if calibrating else Handoff(0.0, 0.0)
         closing = step_collectives_s(self.root_device, _step_collectives(trainer)) if calibrating else None
         alone = dist.new_group([0]) if calibrating else None
         outcome: tuple[str, str, dict | None] | Exception | None = None
@@ -327,8 +327,8 @@ class HolmesStrategy(ModelParallelStrategy):
                     chosen = self._check_given_plan(self.plan)
                 else:
                     if calibrating and sample is not None:
-                        calibrated = self._calibrate(sample, profile, latency_s=latency, group=alone)
-                        calibrated = replace(calibrated, closing_s=closing)
+                        calibrated = self._calibrate(sample, profile, latency_s=message.latency_s, group=alone)
+                        calibrated = replace(calibrated, closing_s=closing, message_cpu_s=message.cpu_s)
                     chosen = self._make_plan(profile, calibrated)
                 described = format_plan(chosen, profile)
                 if calibrated is not None:
