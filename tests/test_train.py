@@ -10,7 +10,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SUMMARY = re.compile(
     r"holmes: (\d+) steps, train loss ([\d.]+) -> ([\d.]+) \| ([\d,]+) tokens/s \(predicted ([\d,]+): measured / "
-    r"predicted [\d.]+\) \| model ([\d.]+) TFLOPS .* \| MFU \d+% of the calibrated peak"
+    r"predicted [\d.]+\) without validation and checkpoint saves \| model ([\d.]+) TFLOPS .* \| MFU \d+% of the "
+    r"calibrated peak"
 )
 DEPRECATION = re.compile(r"^.*(?:deprecat|FutureWarning).*$", re.IGNORECASE | re.MULTILINE)  # e.g. _pytree LeafSpec
 

@@ -77,11 +77,12 @@ class RunSummary(Callback):
             print(f"{line} | throughput: too few logged steps for the monitor's window (raise trainer.max_steps)")
             return
         measured = float(tokens_per_s) * world
-        line += f" | {measured:,.0f} tokens/s (validation and checkpoint saves left out)"
+        line += f" | {measured:,.0f} tokens/s"
         plan = getattr(trainer.strategy, "plan", None)
         if plan is not None and plan.prediction.tokens_per_s > 0:
             predicted = plan.prediction.tokens_per_s
             line += f" (predicted {predicted:,.0f}: measured / predicted {measured / predicted:.2f})"
+        line += " without validation and checkpoint saves"
         per_device = float(flops_per_s)
         line += f" | model {per_device * world / 1e12:.4f} TFLOPS ({per_device / 1e12:.4f} per device x {world})"
         calibrated = getattr(trainer.strategy, "calibration", None)
