@@ -121,6 +121,12 @@ class TinyMLP(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+def quiet_trainer(**settings: Any) -> L.Trainer:
+    """A CPU Trainer that writes nothing (no logger, checkpoints, progress bar or summary), with `settings`."""
+    quiet = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
+    return L.Trainer(accelerator="cpu", enable_model_summary=False, **{**quiet, **settings})
+
+
 def tiny_dataset(samples: int) -> TensorDataset:
     generator = torch.Generator().manual_seed(0)
     inputs = torch.randn(samples, FEATURES, generator=generator)

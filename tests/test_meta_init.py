@@ -14,7 +14,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from distributed import CLASSES, FEATURES, LossRecorder, run_ranks, tiny_loader
+from distributed import CLASSES, FEATURES, LossRecorder, quiet_trainer, run_ranks, tiny_loader
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
@@ -99,18 +99,8 @@ CASES = {
 
 
 def _trainer(strategy: Any, nodes: int, recorder: LossRecorder | None = None) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        num_nodes=nodes,
-        strategy=strategy,
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[recorder] if recorder else [],
-    )
+    callbacks = [recorder] if recorder else []
+    return quiet_trainer(devices=1, num_nodes=nodes, strategy=strategy, max_steps=STEPS, callbacks=callbacks)
 
 
 def _held(model: nn.Module) -> dict[str, Any]:

@@ -6,6 +6,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from distributed import quiet_trainer
 from hydra import compose, initialize_config_dir
 from lightning.pytorch.trainer.states import RunningStage
 from omegaconf import OmegaConf
@@ -125,17 +126,7 @@ def test_short_fit_lowers_loss_and_ends_the_cosine_schedule():
     L.seed_everything(0)
     model = tiny_gpt(learning_rate=1e-2, warmup_steps=2, min_lr_ratio=0.1)
     data = ByteCorpusDataModule(seq_len=16, global_batch=8, corpus_bytes=50_000)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=12,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        val_check_interval=12,
-        limit_val_batches=2,
-        num_sanity_val_steps=0,
-    )
+    trainer = quiet_trainer(max_steps=12, val_check_interval=12, limit_val_batches=2, num_sanity_val_steps=0)
     initial = trainer.validate(model, data, verbose=False)[0]["val_loss"]
     trainer.fit(model, data)
     assert trainer.callback_metrics["val_loss"] < initial - 0.5
@@ -185,16 +176,8 @@ def test_the_throughput_monitor_leaves_out_paused_seconds_as_it_leaves_out_valid
     pause = PauseAtStep(step=3, seconds=0.3)
     counted = throughput_monitor(model, 8, 1, window=4)
     paused = throughput_monitor(model, 8, 1, window=4, paused_s=lambda: pause.saving_s)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=6,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        callbacks=[counted, paused, pause],  # the pause runs after both monitors' step ends, as a save does
-    )
+    # the pause runs after both monitors' step ends, as a save does
+    trainer = quiet_trainer(max_steps=6, limit_val_batches=0, callbacks=[counted, paused, pause])
     trainer.fit(model, ByteCorpusDataModule(seq_len=16, global_batch=8, corpus_bytes=50_000))
     elapsed = [monitor._throughputs[RunningStage.TRAINING]._time[-1] for monitor in (counted, paused)]
     assert elapsed[0] - elapsed[1] == pytest.approx(0.3, abs=0.02)  # both clocks read the same steps otherwise
