@@ -20,6 +20,8 @@ from torch import nn
 from holmes_lightning import HolmesStrategy
 from holmes_lightning.planner import Plan, PlanOptions, Sharding, StagePlan, StepPrediction
 from holmes_lightning.runtime.pipeline import ContractError
+from holmes_lightning.runtime.preemption import HolmesCheckpoint
+from holmes_lightning.runtime.strategy import _step_collectives
 from holmes_lightning.topology import LinkKind, NICKind
 from holmes_lightning.validate import collective_backend
 
@@ -241,3 +243,19 @@ def test_strategy_name_is_registered() -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
     assert StrategyRegistry["holmes"]["strategy"] is HolmesStrategy
+
+
+@pytest.mark.parametrize(
+    ("settings", "collectives"),
+    [
+        ({}, 2),  # the loss's all-reduce and Lightning's stop broadcast
+        ({"gradient_clip_val": 1.0}, 3),  # + the norm's all-reduce over the stages
+        ({"gradient_clip_val": 1.0, "gradient_clip_algorithm": "value"}, 2),  # clipping by value: on each rank
+        ({"checkpoint": True}, 3),  # + HolmesCheckpoint's stop vote
+    ],
+)
+def test_the_closing_collectives_timed_at_job_start_are_those_the_training_step_runs(settings, collectives, tmp_path):
+    settings = dict(settings)
+    callbacks = [HolmesCheckpoint(tmp_path)] if settings.pop("checkpoint", False) else []
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, callbacks=callbacks, **settings)
+    assert _step_collectives(trainer) == collectives
