@@ -270,3 +270,14 @@ def test_slowest_link_per_class_matches_every_pair(groups, pair_speeds, data):
     for i, a in enumerate(names):
         for b in names[i + 1 :]:
             assert f"{a}<->{b}" in text
+
+
+def test_a_topology_at_a_link_scale_keeps_its_machines_and_scales_every_link():
+    topology = Topology.from_config("three_cluster")
+    scaled = topology.at_link_scale(0.01)
+    assert [(n.name, n.ranks, n.device_tflops) for n in scaled.nodes] == [
+        (n.name, n.ranks, n.device_tflops) for n in topology.nodes
+    ]
+    for a, b in [(0, 1), (0, 4), (4, 6), (6, 7)]:
+        assert scaled.link(a, b).gbps == pytest.approx(topology.link(a, b).gbps * 0.01)
+        assert scaled.link(a, b).kind == topology.link(a, b).kind

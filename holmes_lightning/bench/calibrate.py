@@ -28,7 +28,7 @@ from holmes_lightning.lab.scale import default_bandwidth_scale, fastest_link_gbp
 from holmes_lightning.measure import available_cores, profile_modules
 from holmes_lightning.planner import ModelProfile
 from holmes_lightning.recipes import GPT
-from holmes_lightning.topology import LinkSpec, Topology
+from holmes_lightning.topology import Topology
 
 
 def calibrate(
@@ -101,20 +101,9 @@ def profile_gpt(model: ModelConfig) -> ModelProfile:
 
 def lab_topology(topology: Topology, bandwidth_scale: float, device_tflops: float) -> Topology:
     """The topology as the lab runs it: every device at `device_tflops`, every link's speed x `bandwidth_scale`."""
-    spec = topology.spec
-    clusters = [
-        replace(group, nic=replace(group.nic, gbps=group.nic.gbps * bandwidth_scale), device_tflops=None)
-        for group in spec.clusters
-    ]
-    lab_spec = replace(
-        spec,
-        name=f"{spec.name}_lab",
-        clusters=clusters,
-        device_tflops=device_tflops,
-        intra_node=LinkSpec(spec.intra_node.gbps * bandwidth_scale),
-        inter_cluster=spec.inter_cluster.scaled(bandwidth_scale),
-    )
-    return Topology(lab_spec)
+    scaled = topology.at_link_scale(bandwidth_scale).spec
+    clusters = [replace(group, device_tflops=None) for group in scaled.clusters]
+    return Topology(replace(scaled, name=f"{scaled.name}_lab", clusters=clusters, device_tflops=device_tflops))
 
 
 def with_slow_cluster(topology: Topology, cluster: str, nic_gbps: float) -> Topology:
