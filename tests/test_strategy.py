@@ -19,9 +19,10 @@ from torch import nn
 
 from holmes_lightning import HolmesStrategy
 from holmes_lightning.planner import Plan, PlanOptions, Sharding, StagePlan, StepPrediction
+from holmes_lightning.runtime.environment import LAB_BANDWIDTH_SCALE_ENV
 from holmes_lightning.runtime.pipeline import ContractError
 from holmes_lightning.runtime.preemption import HolmesCheckpoint
-from holmes_lightning.runtime.strategy import _step_collectives
+from holmes_lightning.runtime.strategy import _lab_links, _step_collectives
 from holmes_lightning.topology import LinkKind, NICKind
 from holmes_lightning.validate import collective_backend
 
@@ -259,3 +260,10 @@ def test_the_closing_collectives_timed_at_job_start_are_those_the_training_step_
     callbacks = [HolmesCheckpoint(tmp_path)] if settings.pop("checkpoint", False) else []
     trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, callbacks=callbacks, **settings)
     assert _step_collectives(trainer) == collectives
+
+
+def test_inside_the_lab_the_plan_is_made_for_the_lab_links(monkeypatch):
+    monkeypatch.delenv(LAB_BANDWIDTH_SCALE_ENV, raising=False)
+    assert _lab_links() == {}  # elsewhere: the links as configured
+    monkeypatch.setenv(LAB_BANDWIDTH_SCALE_ENV, "0.002")
+    assert _lab_links()["bandwidth_scale"] == 0.002

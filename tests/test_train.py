@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_lab import needs_lab
 
 ROOT = Path(__file__).resolve().parents[1]
 SUMMARY = re.compile(
@@ -76,3 +77,22 @@ def test_under_torchrun_the_script_is_one_rank_and_logs_to_wandb_offline(tmp_pat
     (run_dir,) = [p for p in tmp_path.iterdir() if p.name != "checkpoints"]  # one for the job, not one per rank
     assert run_dir.name.startswith("torchrun-")
     assert list(run_dir.glob("wandb/offline-run-*"))
+
+
+@needs_lab
+@pytest.mark.slow
+@pytest.mark.lab
+def test_in_the_lab_the_job_is_planned_for_the_lab_links(tmp_path):
+    """The lab runs 200 Gb/s InfiniBand at 200 x 1/5000 Gb/s: the plan's links say so, and the calibration why."""
+    out = run_train(
+        "lab=emulate",
+        "lab.bandwidth_scale=0.0002",
+        "trainer.max_steps=6",
+        "checkpoint.every_n_steps=null",
+        "trainer.val_check_interval=null",
+        f"output_dir={tmp_path}",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    printed = out.stdout + out.stderr  # the plan comes through Lightning's logger
+    assert "bandwidth_scale=0.0002 (the lab's links, $HOLMES_LAB_BANDWIDTH_SCALE)" in printed
+    assert re.search(r"rdma 0\.04 Gb/s +tcp 0\.02 Gb/s", printed), printed[-3000:]

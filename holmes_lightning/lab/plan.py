@@ -13,7 +13,6 @@ FABRIC_NET = "10.213.2"
 MAX_NODES = 250
 MAX_LAB_MBIT = 2000.0  # above this the shared CPU, not tc, limits veth traffic and shaping stops being exact
 NAMESPACE_PATTERN = re.compile(r"^holmes-(\d+)-(br|n\d+)$")
-BANDWIDTH_SCALE_ENV = "HOLMES_LAB_BANDWIDTH_SCALE"
 
 
 @dataclass(frozen=True)

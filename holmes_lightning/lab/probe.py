@@ -27,9 +27,9 @@ from omegaconf import OmegaConf
 
 from holmes_lightning.config import ConfigError, LabConfig, register_configs
 from holmes_lightning.lab.bandwidth import gloo_bytes_per_s, pair_group, socket_bytes_per_s
-from holmes_lightning.lab.plan import BANDWIDTH_SCALE_ENV, format_scale
+from holmes_lightning.lab.plan import format_scale
 from holmes_lightning.launch import start_ranks
-from holmes_lightning.runtime.environment import FABRIC_ADDRESS_ENV, NODE_ADDRESS_ENV
+from holmes_lightning.runtime.environment import FABRIC_ADDRESS_ENV, LAB_BANDWIDTH_SCALE_ENV, NODE_ADDRESS_ENV
 from holmes_lightning.topology import ClusterSpec, Topology, config_dir
 
 
@@ -118,7 +118,7 @@ def measure(config: ProbeConfig, topology: Topology) -> int:
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     rank = dist.get_rank()
     topology.check_world_size(dist.get_world_size())
-    scale = float(os.environ.get(BANDWIDTH_SCALE_ENV, "1"))
+    scale = float(os.environ.get(LAB_BANDWIDTH_SCALE_ENV, "1"))
     addresses: list[dict[str, str | None]] = [{}] * dist.get_world_size()
     dist.all_gather_object(addresses, _own_addresses())
     fabric_nodes = {topology.ranks[r].node for r, found in enumerate(addresses) if found["fabric"]}
@@ -195,7 +195,7 @@ def measured_links(summaries: list[ClassSummary], scale: float) -> dict[str, flo
 
 def report(results: list[Result], topology: Topology, scale: float, options: ProbeOptions) -> None:
     summaries = summarize(results, scale)
-    where = "lab" if BANDWIDTH_SCALE_ENV in os.environ else "no lab"
+    where = "lab" if LAB_BANDWIDTH_SCALE_ENV in os.environ else "no lab"
     lines = [
         f"holmes probe: {topology.name}, {where}, bandwidth_scale={format_scale(scale)}; medians over pairs, "
         f"ratio = measured / configured",

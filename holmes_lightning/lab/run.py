@@ -9,10 +9,10 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from holmes_lightning.lab.network import DEVICE, LabUnavailable, build_network, remove_namespaces, unavailable_reason
-from holmes_lightning.lab.plan import BANDWIDTH_SCALE_ENV, LabPlan, describe, format_scale, plan_lab
+from holmes_lightning.lab.plan import LabPlan, describe, format_scale, plan_lab
 from holmes_lightning.lab.scale import default_bandwidth_scale
 from holmes_lightning.processes import launch
-from holmes_lightning.runtime.environment import FABRIC_ADDRESS_ENV, NODE_ADDRESS_ENV
+from holmes_lightning.runtime.environment import FABRIC_ADDRESS_ENV, LAB_BANDWIDTH_SCALE_ENV, NODE_ADDRESS_ENV
 from holmes_lightning.topology import Topology
 
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # Ctrl-C already raises KeyboardInterrupt
@@ -25,7 +25,7 @@ def node_env(plan: LabPlan, node: int) -> dict[str, str]:
         NODE_ADDRESS_ENV: lab_node.ethernet,
         FABRIC_ADDRESS_ENV: lab_node.fabric or "",  # empty: no RDMA NIC, the environment falls back to the node's
         "GLOO_SOCKET_IFNAME": DEVICE,  # the world group listens on the Ethernet address (eth0's first)
-        BANDWIDTH_SCALE_ENV: repr(plan.bandwidth_scale),
+        LAB_BANDWIDTH_SCALE_ENV: repr(plan.bandwidth_scale),
     }
 
 

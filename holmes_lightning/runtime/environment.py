@@ -26,6 +26,7 @@ from holmes_lightning.topology import ClusterSpec, NICKind, Topology, TopologyEr
 from holmes_lightning.topology.detect import SYSFS_INFINIBAND, detect_node_nic, reconcile
 
 FABRIC_ADDRESS_ENV = "HOLMES_FABRIC_ADDRESS"
+LAB_BANDWIDTH_SCALE_ENV = "HOLMES_LAB_BANDWIDTH_SCALE"  # the lab runs every link at its speed x this
 
 
 def detect_report(rank: int, node_rank: int, local_rank: int, sysfs_root: str | Path = SYSFS_INFINIBAND) -> RankReport:

@@ -51,7 +51,7 @@ from holmes_lightning.planner import SCHEDULES, BatchSettings, LayerProfile, Mod
 from holmes_lightning.planner.planner import LAYOUTS, SHARDINGS
 from holmes_lightning.planner.report import format_plan
 from holmes_lightning.processes import launched_topology
-from holmes_lightning.runtime.environment import NICGroupingEnvironment
+from holmes_lightning.runtime.environment import LAB_BANDWIDTH_SCALE_ENV, NICGroupingEnvironment
 from holmes_lightning.runtime.groups import PlanMesh, build_mesh
 from holmes_lightning.runtime.hooks import report_step, step_hook
 from holmes_lightning.runtime.materialize import is_meta, materialize, meta_twins
@@ -328,7 +328,7 @@ class HolmesStrategy(ModelParallelStrategy):
                 else:
                     if calibrating and sample is not None:
                         calibrated = self._calibrate(sample, profile, latency_s=message.latency_s, group=alone)
-                        calibrated = replace(calibrated, closing_s=closing, message_cpu_s=message.cpu_s)
+                        calibrated = replace(calibrated, closing_s=closing, message_cpu_s=message.cpu_s, **_lab_links())
                     chosen = self._make_plan(profile, calibrated)
                 described = format_plan(chosen, profile)
                 if calibrated is not None:
@@ -414,19 +414,21 @@ class HolmesStrategy(ModelParallelStrategy):
     def _make_plan(self, profile: ModelProfile, calibrated: Calibration | None) -> Plan:
         assert self.topology is not None and self.lightning_module is not None
         options = replace(self.options, backend=self._get_process_group_backend())
+        topology = self.topology
         if calibrated is not None:  # compute as a fraction of the configured speed of rank 0's device
             options = calibrated.plan_options(options, peak_tflops=self.topology.node_of(0).device_tflops)
+            topology = topology.at_link_scale(calibrated.bandwidth_scale)  # the lab's links, or as configured
         if missing_contract(self.lightning_module):  # pp=1: one FSDP group over every rank
             batch = self.batch or BatchSettings(self.topology.world_size)
             options = replace(options, layout="flat_fsdp", pp=None, dp=None, partition="auto")
-            found = planner.plan(self.topology, profile, replace(batch, microbatches=None), options)
+            found = planner.plan(topology, profile, replace(batch, microbatches=None), options)
             return replace(found, notes=(*found.notes, "no pipeline contract (pipeline_layers): FSDP over all ranks"))
         if self.batch is None:
             raise ValueError(
                 "HolmesStrategy(global_batch=None): the planner needs the samples per optimizer step; pass "
                 "global_batch=<sequences per step over all DP replicas>"
             )
-        return planner.plan(self.topology, profile, self.batch, options)
+        return planner.plan(topology, profile, self.batch, options)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -639,6 +641,15 @@ class HolmesStrategy(ModelParallelStrategy):
             _set_rng_states(self._resumed_rng)
             self._resumed_rng = None
         super().on_train_batch_start(batch, batch_idx)
+
+
+def _lab_links() -> dict[str, Any]:
+    """Inside the lab (`holmes_lightning.lab`), which runs every link at its speed x a scale: that scale, so the plan
+    is made for the links the job has; elsewhere nothing."""
+    scale = os.environ.get(LAB_BANDWIDTH_SCALE_ENV)
+    if scale is None:
+        return {}
+    return {"bandwidth_scale": float(scale), "scale_reason": f"the lab's links, ${LAB_BANDWIDTH_SCALE_ENV}"}
 
 
 def _step_collectives(trainer: pl.Trainer) -> int:
