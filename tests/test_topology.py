@@ -281,3 +281,5 @@ def test_a_topology_at_a_link_scale_keeps_its_machines_and_scales_every_link():
     for a, b in [(0, 1), (0, 4), (4, 6), (6, 7)]:
         assert scaled.link(a, b).gbps == pytest.approx(topology.link(a, b).gbps * 0.01)
         assert scaled.link(a, b).kind == topology.link(a, b).kind
+    probed = Topology(topology.spec, {"rdma:A": 150.0})  # a probe's measured speed scales with the rest
+    assert probed.at_link_scale(0.01).link(0, 1).gbps == pytest.approx(1.5)

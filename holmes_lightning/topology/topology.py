@@ -305,17 +305,17 @@ class Topology:
         return Topology(spec)
 
     def at_link_scale(self, factor: float) -> Topology:
-        """The same machines with every link's speed x `factor`: the cluster as the lab emulates it."""
+        """The same machines with every link's speed x `factor`, a probe's measured ones too: the cluster as the lab
+        emulates it."""
         spec = self.spec
         clusters = [replace(group, nic=replace(group.nic, gbps=group.nic.gbps * factor)) for group in spec.clusters]
-        return Topology(
-            replace(
-                spec,
-                clusters=clusters,
-                intra_node=replace(spec.intra_node, gbps=spec.intra_node.gbps * factor),
-                inter_cluster=spec.inter_cluster.scaled(factor),
-            )
+        scaled = replace(
+            spec,
+            clusters=clusters,
+            intra_node=replace(spec.intra_node, gbps=spec.intra_node.gbps * factor),
+            inter_cluster=spec.inter_cluster.scaled(factor),
         )
+        return Topology(scaled, {link_class: gbps * factor for link_class, gbps in self.measured.items()})
 
     def to_dict(self) -> dict:
         return {"spec": asdict(self.spec), "measured": self.measured}
