@@ -122,7 +122,6 @@ class Calibration:
         scale_reason: str = "configured link speeds",
         shared_cores: float | None = None,
         transfer_cpu_s_per_byte: float = 0.0,
-        closing_s: float | None = None,
     ) -> Calibration:
         """A rank's costs from one process's `measured` ones, when it gets `share` of the device; `shared_cores`: every
         rank of the job computes on this many cores of one machine (share 1: the cost model times the sharing)."""
@@ -145,7 +144,6 @@ class Calibration:
             device=measured.device,
             shared_cores=shared_cores,
             transfer_cpu_s_per_byte=transfer_cpu_s_per_byte,
-            closing_s=closing_s,
         )
 
     def plan_options(self, options: PlanOptions, peak_tflops: float | None = None) -> PlanOptions:
@@ -193,7 +191,8 @@ class Calibration:
             f", {moving:.2g} CPU-s per GB moved between ranks" if moving else ""
         )
 
-    def _closing(self) -> str:
+    def _step_extras(self) -> str:
+        """What the job's ranks measured together at start besides the latency."""
         closing = "" if self.closing_s is None else f", a step's closing collectives {self.closing_s * 1e3:.2f} ms"
         return closing + (f", {self.message_cpu_s * 1e3:.2f} CPU-ms per message" if self.message_cpu_s else "")
 
@@ -205,7 +204,7 @@ class Calibration:
             f"layer_overhead_s={self.layer_overhead_s:.3g}, optimizer_s_per_gb={self.optimizer_s_per_gb:.3g}, FSDP "
             f"per layer {self.fsdp_layer_s * 1e3:.2f} ms (kept) / {self.fsdp_reshard_layer_s * 1e3:.2f} ms "
             f"(resharded) + optimizer {self.fsdp_optimizer_layer_s * 1e3:.2f} ms; message latency "
-            f"{self.latency_s * 1e3:.2f} ms{self._closing()}; bandwidth_scale={self.bandwidth_scale:.3g} "
+            f"{self.latency_s * 1e3:.2f} ms{self._step_extras()}; bandwidth_scale={self.bandwidth_scale:.3g} "
             f"({self.scale_reason})"
         )
 
