@@ -21,11 +21,12 @@ from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from holmes_lightning import job, validate
-from holmes_lightning.config import ConfigError, TrainConfig, error_line, register_configs
-from holmes_lightning.launch import start_ranks
+from holmes_lightning.cli import validate
+from holmes_lightning.cli.config import ConfigError, TrainConfig, error_line, register_configs
+from holmes_lightning.cli.launch import start_ranks
+from holmes_lightning.launch import job
+from holmes_lightning.launch.processes import LAUNCHED_ENV
 from holmes_lightning.planner import PlanError
-from holmes_lightning.processes import LAUNCHED_ENV
 from holmes_lightning.recipes import GPT, ByteCorpusDataModule, RunSummary, throughput_monitor
 from holmes_lightning.runtime import HolmesStrategy
 from holmes_lightning.runtime.checkpoint import CheckpointError
@@ -52,7 +53,7 @@ def main(cfg: DictConfig) -> None:
         check_choices(config)
         timeout_s = job.collective_timeout_s(config.strategy.timeout_s, os.environ)
         strategy = make_strategy(config, topology, timeout_s)
-        plan = validate.check_plan(config, topology, strategy.batch, strategy.options)
+        plan = validate.check_plan(config, topology, strategy.batch, options=strategy.options, costs=strategy.costs)
         # the launcher reads every file once; ranks leave the digests to the load, where each reads its share
         config.resume = validate.resume_path(config, plan, checksums=not is_rank_process())
         if is_rank_process():
@@ -105,8 +106,9 @@ def make_strategy(config: TrainConfig, topology: Topology, timeout_s: float) -> 
         cluster=topology,
         global_batch=config.data.global_batch,
         microbatches=settings.microbatches,
-        options=settings.plan_options(),
+        options=settings.settings(),
         calibrate=settings.calibrate,
+        costs=settings.machine_costs(),
         timeout=timeout_s,
     )
 

@@ -7,7 +7,7 @@
 #
 # Installs what is missing: a CUDA build of torch (GPU_CHECK_TORCH, default below: PyPI's Linux wheels bring their
 # own CUDA runtime and need only the NVIDIA driver), then this checkout's dependencies (`pip install -e .`). Then
-# `python3 -m holmes_lightning.gpu_check` prints one line per check; the exit code is non-zero if any failed.
+# `python3 -m holmes_lightning.cli.gpu_check` prints one line per check; the exit code is non-zero if any failed.
 # GPU_CHECK_INSTALL=0 skips the installs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,4 +34,4 @@ fi
 
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONUNBUFFERED=1 NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" # this checkout's code, also in the ranks torchrun starts
-exec "$PYTHON" -m holmes_lightning.gpu_check "$@"
+exec "$PYTHON" -m holmes_lightning.cli.gpu_check "$@"

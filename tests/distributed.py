@@ -1,6 +1,7 @@
 """Multi-process test runs: `run_ranks` starts one process per rank of a cluster and collects what each returns.
 
-Ranks are started by `holmes_lightning.processes.launch` exactly like a torchrun job on this machine (gloo, loopback).
+Ranks are started by `holmes_lightning.launch.processes.launch` exactly like a torchrun job on this machine (gloo,
+loopback).
 Each rank runs `python tests/distributed.py MODULE:FUNCTION KWARGS OUT`, calls the function with the keyword
 arguments and writes its JSON result to OUT/rank<N>.json. Also here: a tiny LightningModule that follows the
 pipeline contract, and its data, so equivalence tests compare the same model in and out of HolmesStrategy.
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from holmes_lightning.processes import launch
+from holmes_lightning.launch.processes import launch
 from holmes_lightning.topology import Topology
 
 FEATURES, CLASSES = 8, 4

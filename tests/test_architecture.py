@@ -59,3 +59,41 @@ def test_topology_and_planner_import_neither_the_runtime_nor_torch() -> None:
             assert not lower, f"{name} imports {sorted(lower)}"
     for path in [*(PACKAGE / "planner").glob("*.py"), *(PACKAGE / "topology").glob("*.py")]:
         assert "import torch" not in path.read_text(), path
+
+
+# Packages from the ground up: each imports only packages below it (the root package's lazy names stand apart).
+LAYERS = ("topology", "planner", "launch", "measure", "runtime", "recipes", "lab", "cli", "bench")
+
+
+def _package(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else "__init__"
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    """Every import from a package to one above it (or to a package outside the layers)."""
+    found = []
+    for module, imported in sorted(graph.items()):
+        package = _package(module)
+        if package not in LAYERS:
+            continue
+        below = set(LAYERS[: LAYERS.index(package)]) | {package, "__init__"}
+        found += [f"{module} -> {target}" for target in sorted(imported) if _package(target) not in below]
+    return found
+
+
+def test_each_package_imports_only_the_packages_below_it() -> None:
+    """topology -> planner -> starting ranks -> measuring -> runtime -> recipes -> the lab -> the command-line tools
+    -> the bench: the lab and the bench (tooling) are never imported by the runtime or the launcher."""
+    assert _upward(_imports()) == []
+
+
+def test_the_layer_check_finds_an_upward_import() -> None:
+    graph = {
+        "holmes_lightning.runtime.strategy": {"holmes_lightning.planner", "holmes_lightning.lab.run"},
+        "holmes_lightning.launch.processes": {"holmes_lightning.bench.runner", "holmes_lightning.topology"},
+        "holmes_lightning.bench.runner": {"holmes_lightning.lab.run", "holmes_lightning.runtime"},
+    }
+    assert _upward(graph) == [
+        "holmes_lightning.launch.processes -> holmes_lightning.bench.runner",
+        "holmes_lightning.runtime.strategy -> holmes_lightning.lab.run",
+    ]

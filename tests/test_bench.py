@@ -5,25 +5,27 @@ from dataclasses import replace
 
 import pytest
 
-from holmes_lightning.bench.calibrate import Calibration, calibrate, profile_gpt
+from holmes_lightning.bench.calibrate import LabCalibration, calibrate, profile_gpt
 from holmes_lightning.bench.config import VARIANTS, BenchSettings
 from holmes_lightning.bench.load import CpuClock
 from holmes_lightning.bench.overhead import OverheadRun, pair_ratios
 from holmes_lightning.bench.report import Target, draw, markdown, regime, repeated_runs, targets, write_json
 from holmes_lightning.bench.runner import RunResult, summarize
 from holmes_lightning.bench.variants import REFERENCE, Hardware, Variant, plan_variants
-from holmes_lightning.config import ConfigError, ModelConfig
+from holmes_lightning.cli.config import ConfigError, ModelConfig
 from holmes_lightning.measure import available_cores
-from holmes_lightning.planner import BatchSettings, PlanOptions, compare
+from holmes_lightning.measure.calibration import Calibration
+from holmes_lightning.planner import BatchSettings, MachineCosts, PlanOptions, compare_plans
 from holmes_lightning.topology import Topology
 
 
 def test_every_variant_is_planned_and_reported(tmp_path, saved_figures):
     settings = BenchSettings(model=ModelConfig(n_layers=4, d_model=64, n_heads=4, seq_len=16), global_batch=8)
     profile = profile_gpt(settings.model)
-    calibration = Calibration(10.0, 4e-3, 5e-3, 0.5, 5e-3, 1e-3, 5.0, 1e-4, "test")
+    costs = MachineCosts(efficiency=1.0, layer_overhead_s=1e-3, optimizer_s_per_gb=5.0, dp_overlap=0.0)
+    calibration = LabCalibration(Calibration(10.0, 4e-3, 5e-3, 0.5, 5e-3, costs), 1e-4, "test")
     hardware = Hardware.derive(Topology.from_config("two_cluster_mixed"), settings, calibration)
-    variants = plan_variants(hardware, profile, settings, PlanOptions(pp=2, dp_overlap=0.0))
+    variants = plan_variants(hardware, profile, settings, PlanOptions(pp=2))
     assert [v.name for v in variants] == list(VARIANTS)
     plans = {v.name: v.plan for v in variants}
     assert {p.global_batch for p in plans.values()} == {8}
@@ -39,7 +41,7 @@ def test_every_variant_is_planned_and_reported(tmp_path, saved_figures):
     results = [summarize(v, per_rank[v.name], settings=settings, profile=profile, foreign_load=0.0) for v in variants]
     check = regime(variants, profile, settings.global_batch)
     assert check["gradient_to_boundary"] > 5
-    context = {"calibration": vars(calibration), "variants": variants, "bench": "test", "model": "m"}
+    context = {"calibration": calibration, "variants": variants, "bench": "test", "model": "m"}
     context.update(global_batch=8, steps="1 + 1", prediction_tolerance=0.15)
     table = markdown(results, context, check)
     assert all(v.label in table for v in variants) and "| predicted / measured within 15% | 7/7 runs" in table
@@ -50,7 +52,14 @@ def test_every_variant_is_planned_and_reported(tmp_path, saved_figures):
     hybrid = plans["holmes_hybrid"].prediction.total_s
     assert measured["Holmes hybrid / FSDPStrategy"] == pytest.approx(plans["fsdp"].prediction.total_s / hybrid)
     write_json(tmp_path / "r.json", results, context=context, check=check)
-    assert len(json.loads((tmp_path / "r.json").read_text())["runs"]) == 7
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert len(written["runs"]) == 7
+    earlier_schema = (  # the calibration's keys in the JSON of earlier runs (docs/benchmark/short.json)
+        "gflops pass_overhead_s optimizer_s share device_tflops layer_overhead_s optimizer_s_per_gb bandwidth_scale "
+        "scale_reason fsdp_layer_s fsdp_reshard_layer_s fsdp_optimizer_layer_s latency_s device shared_cores "
+        "transfer_cpu_s_per_byte"
+    )
+    assert set(earlier_schema.split()) <= set(written["calibration"])
 
     drawn = [replace(r, median_s=r.median_s * (1 + i / 10)) for i, r in enumerate(results)]  # unlike the predictions
     draw(tmp_path / "r.png", drawn)
@@ -84,14 +93,16 @@ def test_a_lab_rank_is_calibrated_on_the_benchmark_gpt(tmp_path, monkeypatch):
     model = ModelConfig(n_layers=2, d_model=32, n_heads=2, seq_len=8)
     profile = profile_gpt(model)
     pair = Topology.from_config({"name": "pair", "clusters": [{"name": "a", "nodes": 2, "nic": {"kind": "roce"}}]})
-    calibration = calibrate(pair, profile, model, seconds=0, scale=1e-3)
+    lab = calibrate(pair, profile, model, seconds=0, scale=1e-3, assumed=MachineCosts(dp_overlap=0.0))
+    calibration = lab.calibration
     assert calibration.gflops > 0 and calibration.pass_overhead_s >= 0 and calibration.optimizer_s > 0
     assert calibration.device_tflops == pytest.approx(calibration.gflops * calibration.share / 1e3)
     per_layer = calibration.pass_overhead_s / profile.num_layers / calibration.share
-    assert calibration.layer_overhead_s == pytest.approx(per_layer)
-    assert calibration.latency_s > 0  # two ranks started for it
+    assert calibration.costs.layer_overhead_s == pytest.approx(per_layer)
+    assert calibration.costs.latency_s > 0  # two ranks started for it
+    assert calibration.costs.dp_overlap == 0.0  # not measured: as assumed
     assert calibration.transfer_cpu_s_per_byte > 0  # and two in the lab, one sending the other 128 MB
-    assert (calibration.bandwidth_scale, calibration.scale_reason) == (1e-3, "bench.bandwidth_scale")
+    assert (lab.bandwidth_scale, lab.scale_reason) == (1e-3, "bench.bandwidth_scale")
 
 
 def run_result(name: str, median_s: float, network: str = "net") -> RunResult:
@@ -156,7 +167,7 @@ def test_other_work_is_the_machine_busy_time_the_bench_did_not_spend():
 def test_runs_of_one_configuration_show_how_much_the_machine_varied():
     topology = Topology.from_config("two_cluster_mixed")
     profile = profile_gpt(ModelConfig(n_layers=4, d_model=64, n_heads=4, seq_len=16))
-    compared = compare(topology, profile, BatchSettings(8), PlanOptions(pp=2))
+    compared = compare_plans(topology, profile, BatchSettings(8), options=PlanOptions(pp=2))
     holmes, unaware = compared["holmes"], compared["nic_unaware"]
     assert (holmes.pp, holmes.dp, holmes.layers_per_stage()) == (unaware.pp, unaware.dp, unaware.layers_per_stage())
     plans = {"first": holmes, "elsewhere": unaware, "again": holmes}  # NIC-unaware: the same ranks, groups on TCP

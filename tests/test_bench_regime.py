@@ -6,13 +6,13 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from holmes_lightning.bench.calibrate import profile_gpt
+from holmes_lightning.bench.calibrate import LabCalibration, profile_gpt
 from holmes_lightning.bench.config import BenchSettings, RegimeMatch, register_bench_configs
 from holmes_lightning.bench.regime import SHARES, derive, rederive, shares
 from holmes_lightning.bench.variants import Hardware, plan_variants
-from holmes_lightning.calibration import Calibration
-from holmes_lightning.config import ConfigError, ModelConfig, register_configs
-from holmes_lightning.planner import PlanOptions
+from holmes_lightning.cli.config import ConfigError, ModelConfig, register_configs
+from holmes_lightning.measure.calibration import Calibration
+from holmes_lightning.planner import MachineCosts, PlanOptions
 from holmes_lightning.topology import Topology, config_dir
 
 REFERENCE_MODEL = ModelConfig(name="ref", n_layers=12, d_model=1024, n_heads=16, seq_len=1024)
@@ -20,20 +20,20 @@ REFERENCE_MODEL = ModelConfig(name="ref", n_layers=12, d_model=1024, n_heads=16,
 
 def measured_alone(model: ModelConfig) -> tuple:
     """A lab rank's costs as a calibration would give them (fixed here: the derivation is what is tested)."""
-    calibration = Calibration(
-        gflops=50.0,
-        pass_overhead_s=4e-3,
-        optimizer_s=5e-3,
-        share=0.5,
-        device_tflops=0.025,
+    costs = MachineCosts(
+        efficiency=1.0,  # the lab topology's devices run at the measured speed
         layer_overhead_s=1e-3,
         optimizer_s_per_gb=1.0,
         fsdp_layer_s=3e-4,
         fsdp_reshard_layer_s=3e-3,
         fsdp_optimizer_layer_s=5e-4,
         latency_s=3e-4,
+        dp_overlap=0.0,
     )
-    return profile_gpt(model), calibration
+    calibration = Calibration(
+        gflops=50.0, pass_overhead_s=4e-3, optimizer_s=5e-3, share=0.5, device_tflops=0.025, costs=costs
+    )
+    return profile_gpt(model), LabCalibration(calibration, 1.0, "configured link speeds")
 
 
 def paper_match(**overrides) -> RegimeMatch:
@@ -56,7 +56,7 @@ def test_the_derived_lab_job_splits_its_step_as_the_reference_does():
     hybrid = Topology.from_config("two_cluster_mixed")
     match = paper_match()
     settings = BenchSettings(name="regime", match=match, variants=["holmes_hybrid", "holmes_homogeneous", "ddp"])
-    requested = PlanOptions(pp=2, dp_overlap=0.0)
+    requested = PlanOptions(pp=2)
     regime = derive(hybrid, settings, requested=requested, calibrate=measured_alone)
 
     reference = regime.reference.shares
@@ -67,7 +67,7 @@ def test_the_derived_lab_job_splits_its_step_as_the_reference_does():
     assert chosen.bandwidth_scale == regime.choice.bandwidth_scale
     # The bench then plans the chosen job as every run does; its homogeneous step splits within the tolerance.
     profile, calibration = measured_alone(chosen.model)
-    hardware = Hardware.derive(hybrid, chosen, replace(calibration, bandwidth_scale=chosen.bandwidth_scale))
+    hardware = Hardware.derive(hybrid, chosen, calibration.at_scale(chosen.bandwidth_scale, "derived"))
     runs = {v.name: v.plan for v in plan_variants(hardware, profile, chosen, requested)}
     lab = shares(runs["holmes_homogeneous"].prediction)
     assert all(abs(lab[name] - reference[name]) <= match.share_tolerance for name in SHARES)
@@ -80,16 +80,16 @@ def test_the_derived_lab_job_splits_its_step_as_the_reference_does():
 def test_the_chosen_model_measured_again_gets_its_batch_and_scale_from_the_new_costs():
     hybrid = Topology.from_config("two_cluster_mixed")
     settings = BenchSettings(name="regime", match=paper_match(), variants=["holmes_hybrid", "holmes_homogeneous"])
-    requested = PlanOptions(pp=2, dp_overlap=0.0)
+    requested = PlanOptions(pp=2)
     first = derive(hybrid, settings, requested=requested, calibrate=measured_alone)
     profile, calibration = measured_alone(first.choice.model)
-    faster = replace(calibration, gflops=150.0, device_tflops=0.075, fsdp_layer_s=1e-3)  # a second, luckier timing
+    measured = calibration.calibration  # a second, luckier timing:
+    lucky = replace(measured, gflops=150.0, device_tflops=0.075, costs=replace(measured.costs, fsdp_layer_s=1e-3))
+    faster = replace(calibration, calibration=lucky)
     again = rederive(first, hybrid, settings, requested=requested, measured=(profile, faster))
     assert again.choice.model == first.choice.model and again.candidates < first.candidates
     assert again.reference is first.reference  # planned once
-    assert replace(again.choice.calibration, bandwidth_scale=1.0, scale_reason="") == replace(
-        faster, bandwidth_scale=1.0, scale_reason=""
-    )
+    assert again.choice.calibration.calibration == (faster.calibration)
     assert again.choice.bandwidth_scale > first.choice.bandwidth_scale  # 3x the compute speed: links 3x as fast
     assert again.choice.share_deviation <= settings.match.share_tolerance
 

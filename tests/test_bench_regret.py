@@ -8,10 +8,9 @@ from hypothesis import strategies as st
 
 from holmes_lightning.bench.calibrate import lab_topology, profile_gpt
 from holmes_lightning.bench.regret import ClusterRegret, Row, configurations, ranks, spearman
-from holmes_lightning.bench.variants import lab_options
-from holmes_lightning.calibration import Calibration
-from holmes_lightning.config import ModelConfig
-from holmes_lightning.planner import PlanOptions
+from holmes_lightning.bench.variants import on_gloo
+from holmes_lightning.cli.config import ModelConfig
+from holmes_lightning.planner import MachineCosts, PlanOptions
 from holmes_lightning.topology import Topology
 
 
@@ -57,14 +56,14 @@ def test_the_choice_is_ranked_by_measured_step_against_the_fastest():
         row("c", 1.5, 3.0),
         row("d", 2.0, 4.0),
     )
-    result = ClusterRegret("c", rows, calibration={}, foreign_load=0.0)
+    result = ClusterRegret("c", rows, calibration=None, foreign_load=0.0)
     assert (result.choice.name, result.best.name, result.choice_rank) == ("a", "b", 2)
     assert result.regret == pytest.approx(0.03)
     assert result.spearman == pytest.approx(0.8)  # one adjacent swap among four: 1 - 6 * 2 / (4 * 15)
     assert not result.met  # within 5% of the best, but predicted and measured orders agree too little
-    agreeing = ClusterRegret("c", (*rows[:1], row("b", 1.1, 2.1), *rows[2:]), calibration={}, foreign_load=0.0)
+    agreeing = ClusterRegret("c", (*rows[:1], row("b", 1.1, 2.1), *rows[2:]), calibration=None, foreign_load=0.0)
     assert (agreeing.choice_rank, agreeing.regret, agreeing.spearman, agreeing.met) == (1, 0.0, 1.0, True)
-    slow_choice = ClusterRegret("c", (row("a", 1.0, 2.2, chosen=True), *rows[1:]), calibration={}, foreign_load=0.0)
+    slow_choice = ClusterRegret("c", (row("a", 1.0, 2.2, chosen=True), *rows[1:]), calibration=None, foreign_load=0.0)
     assert slow_choice.regret == pytest.approx(0.1) and not slow_choice.met
 
 
@@ -74,22 +73,17 @@ def test_every_configuration_is_distinct_and_none_is_predicted_faster_than_the_c
     profile = profile_gpt(model)
     topology = Topology.from_config(cluster)
     share = 2 / topology.world_size
-    calibration = Calibration(
-        gflops=50.0,
-        pass_overhead_s=5e-3,
-        optimizer_s=5e-3,
-        share=share,
-        device_tflops=50 * share / 1e3,
+    costs = MachineCosts(
+        efficiency=1.0,  # the lab topology's devices run at the measured speed
         layer_overhead_s=1e-3,
         optimizer_s_per_gb=1.0,
-        bandwidth_scale=1e-3,
         fsdp_layer_s=3e-4,
         fsdp_reshard_layer_s=3e-3,
         fsdp_optimizer_layer_s=5e-4,
         latency_s=3e-4,
     )
-    lab = lab_topology(topology, calibration.bandwidth_scale, calibration.device_tflops)
-    plans, chosen = configurations(lab, profile, global_batch=16, options=lab_options(PlanOptions(), calibration))
+    lab = lab_topology(topology, 1e-3, 50 * share / 1e3)
+    plans, chosen = configurations(lab, profile, global_batch=16, options=on_gloo(PlanOptions()), costs=costs)
     assert chosen in plans and len(plans) >= 6
     runs = {(tuple((s.ranks, s.chunks) for s in p.stages), p.microbatches, p.sharding) for p in plans.values()}
     assert len(runs) == len(plans)  # a plan found twice runs once

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 import torch
 from torch import nn
 
-from holmes_lightning import calibration
-from holmes_lightning.calibration import Calibration, Measurement
-from holmes_lightning.planner import LayerProfile, ModelProfile, PlanOptions
+from holmes_lightning.measure import calibration
+from holmes_lightning.measure.calibration import Calibration, Measurement
+from holmes_lightning.planner import LayerProfile, MachineCosts, ModelProfile
 from holmes_lightning.runtime import HolmesStrategy
 
 MEASURED = Measurement(
@@ -36,15 +36,21 @@ def test_a_ranks_costs_are_the_measurement_at_its_share_spread_over_layers():
     assert calibrated.gflops == pytest.approx(3e9 / 0.004 / 1e9)  # the model's FLOPs over the time per sample
     assert calibrated.device_tflops == pytest.approx(calibrated.gflops * 0.5 / 1e3)
     per_layer = 3 * 0.5  # three layers, each at half a core
-    assert calibrated.layer_overhead_s == pytest.approx(0.006 / per_layer)
-    assert calibrated.fsdp_layer_s == pytest.approx(0.003 / per_layer)
-    assert calibrated.fsdp_reshard_layer_s == pytest.approx(0.009 / per_layer)
-    assert calibrated.fsdp_optimizer_layer_s == pytest.approx(0.0015 / per_layer)
-    assert calibrated.optimizer_s_per_gb == pytest.approx(0.002 / (3e6 / 1e9) / 0.5)
-    options = calibrated.plan_options(PlanOptions(pp=2), peak_tflops=calibrated.device_tflops * 4)
-    assert (options.pp, options.efficiency, options.latency_s) == (2, pytest.approx(0.25), 1e-3)
-    assert calibrated.plan_options(PlanOptions()).efficiency == 1.0  # the topology already runs at this speed
+    costs = calibrated.costs
+    assert costs.layer_overhead_s == pytest.approx(0.006 / per_layer)
+    assert costs.fsdp_layer_s == pytest.approx(0.003 / per_layer)
+    assert costs.fsdp_reshard_layer_s == pytest.approx(0.009 / per_layer)
+    assert costs.fsdp_optimizer_layer_s == pytest.approx(0.0015 / per_layer)
+    assert costs.optimizer_s_per_gb == pytest.approx(0.002 / (3e6 / 1e9) / 0.5)
+    assert (costs.efficiency, costs.latency_s) == (1.0, 1e-3)  # no peak given: the topology runs at this speed
+    on_a_device = Calibration.of(MEASURED, profile, share=0.5, peak_tflops=calibrated.device_tflops * 4)
+    assert on_a_device.costs.efficiency == pytest.approx(0.25)
+    assumed = MachineCosts(dp_overlap=0.0, latency_s=5.0)
+    kept = Calibration.of(MEASURED, profile, share=0.5, assumed=assumed, latency_s=1e-3).costs
+    assert (kept.dp_overlap, kept.latency_s) == (0.0, 1e-3)  # not measured: as assumed; measured: as measured
     assert "cpu:test" in calibrated.describe() and "latency 1.00 ms" in calibrated.describe()
+    record = calibrated.record()
+    assert record["gflops"] == calibrated.gflops and record["layer_overhead_s"] == costs.layer_overhead_s
 
 
 class Scale(nn.Module):
@@ -66,10 +72,11 @@ def stranger_layers() -> list[nn.Module]:
 def test_ranks_on_shared_cores_are_planned_alone_or_as_devices_at_their_share():
     profile = three_layers()
     shared = Calibration.of(MEASURED, profile, share=1.0, latency_s=1e-3, shared_cores=2)
-    assert shared.plan_options(PlanOptions()).shared_cores == 2
+    assert shared.costs.shared_cores == 2
     devices = shared.as_devices(4)  # four ranks, each half of one of the two cores while all compute
     assert devices == Calibration.of(MEASURED, profile, share=0.5, latency_s=1e-3)
-    assert devices.plan_options(PlanOptions(shared_cores=3)).shared_cores == 3  # none measured: the request's stays
+    alone = replace(shared, costs=replace(shared.costs, shared_cores=None))  # a core each: as fast as measured
+    assert devices.costs.shared_cores is None and shared.as_devices(1) == alone
 
 
 def test_each_distinct_layer_is_timed_once_and_the_result_is_cached(tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ from distributed import run_ranks
 from torch import nn
 
 from holmes_lightning import planner
-from holmes_lightning.config import ModelConfig
+from holmes_lightning.cli.config import ModelConfig
 from holmes_lightning.planner import BatchSettings, ModelProfile, Plan
 from holmes_lightning.runtime import checkpoint
 from holmes_lightning.runtime.checkpoint import CheckpointError
@@ -30,7 +30,7 @@ SHAPE = {"n_layers": 2, "d_model": 16}
 
 def one_rank_plan(n_layers: int = 2) -> Plan:
     model = ModelConfig(n_layers=n_layers, d_model=16, n_heads=2, seq_len=8)
-    return planner.plan(
+    return planner.best_plan(
         Topology.from_config("single_node", devices_per_node=1), ModelProfile.from_gpt(model), BatchSettings(4)
     )
 

@@ -7,7 +7,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from holmes_lightning.config import TrainConfig, register_configs
+from holmes_lightning.cli.config import TrainConfig, register_configs
 from holmes_lightning.topology import Topology, config_dir
 
 register_configs()

@@ -8,8 +8,17 @@ from dataclasses import replace
 
 import pytest
 
-from holmes_lightning.config import ModelConfig
-from holmes_lightning.planner import BatchSettings, ModelProfile, PlanError, PlanOptions, Sharding, plan
+from holmes_lightning.cli.config import ModelConfig
+from holmes_lightning.planner import (
+    Backend,
+    BatchSettings,
+    MachineCosts,
+    ModelProfile,
+    PlanError,
+    PlanOptions,
+    Sharding,
+    best_plan,
+)
 from holmes_lightning.planner.cost import BUCKET_BYTES, CostModel
 from holmes_lightning.topology import Topology
 
@@ -20,17 +29,14 @@ BYTES, LAYERS, LATENCY = 3e8, 3, 1e-3
 
 
 def cost(sharding: Sharding, backend: str = "nccl") -> CostModel:
-    return CostModel(
-        TOPOLOGY,
-        PROFILE,
-        sharding=sharding,
-        backend=backend,
+    machine = MachineCosts(
         latency_s=LATENCY,
         fsdp_layer_s=0.002,
         fsdp_reshard_layer_s=0.005,
         fsdp_optimizer_layer_s=0.0007,
         optimizer_s_per_gb=2.0,
     )
+    return CostModel(TOPOLOGY, PROFILE, machine, sharding=sharding, backend=Backend(backend))
 
 
 def sync(model: CostModel, n: int = 2, *, pipelined: bool) -> float:
@@ -75,16 +81,22 @@ def test_a_message_costs_its_latency_besides_its_bytes_and_a_pipelined_step_clos
     assert nccl.transfer_s(1e6, LINK) == pytest.approx(LATENCY + 1e6 / LINK.bytes_per_s)
     assert gloo.step_collective_s(4) == pytest.approx(6 * LATENCY)  # gloo's ring: 2 (n-1) messages
     assert nccl.step_collective_s(64) == pytest.approx(12 * LATENCY)  # NCCL's tree: 2 log2(n)
-    options = PlanOptions(pp=2, backend="gloo", latency_s=LATENCY, sharding="none")
-    pipelined = plan(TOPOLOGY, PROFILE, BatchSettings(16), options)
+    options, costs = PlanOptions(pp=2, backend="gloo", sharding="none"), MachineCosts(latency_s=LATENCY)
+    pipelined = best_plan(TOPOLOGY, PROFILE, BatchSettings(16), options=options, costs=costs)
     assert all(stage.closing_s == pytest.approx(6 * LATENCY) for stage in pipelined.stages)
     assert all(send == pytest.approx(LATENCY, rel=0.5) for send in pipelined.stages[0].send_s)
-    measured = plan(TOPOLOGY, PROFILE, BatchSettings(16), replace(options, closing_s=0.004))
+    measured = best_plan(TOPOLOGY, PROFILE, BatchSettings(16), options=options, costs=replace(costs, closing_s=0.004))
     assert [stage.closing_s for stage in measured.stages] == [0.004, 0.004]  # measured at job start: as it is
 
 
 def test_without_a_pipeline_a_step_is_one_pass_over_the_replica_batch():
-    flat = plan(TOPOLOGY, PROFILE, BatchSettings(16), PlanOptions(layout="flat_fsdp", layer_overhead_s=0.0))
+    flat = best_plan(
+        TOPOLOGY,
+        PROFILE,
+        BatchSettings(16),
+        options=PlanOptions(layout="flat_fsdp"),
+        costs=MachineCosts(layer_overhead_s=0.0),
+    )
     assert (flat.microbatches, flat.microbatch_size) == (1, 4)
-    with pytest.raises(PlanError, match="strategy.microbatches=4: without a pipeline"):
-        plan(TOPOLOGY, PROFILE, BatchSettings(16, microbatches=4), PlanOptions(layout="flat_fsdp"))
+    with pytest.raises(PlanError, match="microbatches=4: without a pipeline"):
+        best_plan(TOPOLOGY, PROFILE, BatchSettings(16, microbatches=4), options=PlanOptions(layout="flat_fsdp"))

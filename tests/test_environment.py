@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment, TorchElasticEnvironment
 
 from holmes_lightning import HolmesStrategy
-from holmes_lightning.processes import rank_env
+from holmes_lightning.launch.processes import rank_env
 from holmes_lightning.runtime.environment import NICGroupingEnvironment, default_environment, resolve_nics
 from holmes_lightning.runtime.placement import (
     RankReport,

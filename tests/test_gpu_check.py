@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from holmes_lightning import gpu_check
+from holmes_lightning.cli import gpu_check
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh"
 

@@ -168,14 +168,14 @@ def pipelined_runs(checkpoint: str) -> dict[str, Any]:
     L.seed_everything(SEED + 1)  # other initial weights: the checkpoint's must replace them
     restored = _trainer(_strategy()).validate(MetricMLP(), _loaders(batch_size)["val"], ckpt_path=checkpoint)[0]
     calibrated = strategy.calibration
-    closing = [calibrated.closing_s, *(stage.closing_s for stage in strategy.plan.stages)]
+    closing = [calibrated.costs.closing_s, *(stage.closing_s for stage in strategy.plan.stages)]
     return {
         "fit": fitted,
         "alone": alone,
         "restored": restored,
         "last_stage": strategy.pipeline.is_last,
         "closing": closing,
-        "message_cpu_s": calibrated.message_cpu_s,
+        "message_cpu_s": calibrated.costs.message_cpu_s,
     }
 
 

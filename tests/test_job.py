@@ -8,8 +8,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from holmes_lightning import job
-from holmes_lightning.config import StrategyConfig, register_configs
+from holmes_lightning.cli.config import StrategyConfig, register_configs
+from holmes_lightning.launch import job
 from holmes_lightning.topology import config_dir
 
 NOW = datetime(2025, 1, 2, 3, 4, 5)

@@ -1,4 +1,4 @@
-"""The lab: network plan (everywhere), and with root: shaped rates, all-reduce ratio, teardown and cleanup."""
+"""The lab: network network (everywhere), and with root: shaped rates, all-reduce ratio, teardown and cleanup."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,14 +19,15 @@ import torch
 import torch.distributed as dist
 from pictures import colour_blocks
 
-from holmes_lightning.config import ConfigError
-from holmes_lightning.lab import plan_lab, run_in_lab
+from holmes_lightning.cli.config import ConfigError, ModelConfig
+from holmes_lightning.cli.probe import load_config, plan_pairs
+from holmes_lightning.cli.probe import main as probe_main
+from holmes_lightning.lab import design_network, run_in_lab
+from holmes_lightning.lab.design import emulated_topology, format_scale, run_prefix
 from holmes_lightning.lab.network import DEVICE, list_namespaces, unavailable_reason
-from holmes_lightning.lab.plan import format_scale, run_prefix
-from holmes_lightning.lab.probe import load_config, plan_pairs
-from holmes_lightning.lab.probe import main as probe_main
 from holmes_lightning.lab.scale import default_bandwidth_scale
 from holmes_lightning.measure import cpu_rank_gflops
+from holmes_lightning.planner import BatchSettings, ModelProfile, PlanOptions, best_plan
 from holmes_lightning.runtime.environment import NICGroupingEnvironment
 from holmes_lightning.runtime.groups import group_transport, new_group
 from holmes_lightning.topology import Topology, TopologyError
@@ -77,43 +79,81 @@ def _wait_for(condition, timeout_s: float, what: str) -> None:
         time.sleep(0.2)
 
 
-# --- the plan: pure data, runs anywhere ------------------------------------------------------------------------------
+# --- the network: pure data, runs anywhere --------------------------------------------------------------------------
 
 
 def test_plan_gives_each_node_two_addresses_and_one_class_per_link_class():
     topology = Topology.from_config("two_cluster_mixed")
-    plan = plan_lab(topology, 1 / 500, pid=42)
-    assert plan.namespaces == ("holmes-42-n0", "holmes-42-n1", "holmes-42-n2", "holmes-42-n3", "holmes-42-br")
-    addresses = [a for node in plan.nodes for a in (node.ethernet, node.fabric)]
+    network = design_network(topology, 1 / 500, pid=42)
+    assert network.namespaces == ("holmes-42-n0", "holmes-42-n1", "holmes-42-n2", "holmes-42-n3", "holmes-42-br")
+    addresses = [a for node in network.nodes for a in (node.ethernet, node.fabric)]
     assert len(set(addresses)) == 8 and all(a.startswith("10.213.") for a in addresses)
-    a0, a1 = plan.nodes[0], plan.nodes[1]
+    a0, a1 = network.nodes[0], network.nodes[1]
     classes = {c.link_class: c for c in a0.egress}
     assert set(classes) == {"rdma:A", "inter_cluster"}
     assert classes["rdma:A"].destinations == (a1.fabric,)  # only a same-fabric peer's fabric address is RDMA
     assert classes["rdma:A"].lab_mbit == pytest.approx(400) and classes["inter_cluster"].lab_mbit == pytest.approx(200)
-    others = {a for node in plan.nodes[1:] for a in (node.ethernet, node.fabric)} - {a1.fabric}
+    others = {a for node in network.nodes[1:] for a in (node.ethernet, node.fabric)} - {a1.fabric}
     assert set(classes["inter_cluster"].destinations) == others
 
 
 def test_plan_shapes_configured_speeds_not_measured_ones():
     configured = Topology.from_config("two_cluster_mixed")
     measured = Topology(configured.spec, {"rdma:A": 1.0})
-    assert plan_lab(measured, 1 / 500).nodes == plan_lab(configured, 1 / 500).nodes
+    assert design_network(measured, 1 / 500).nodes == design_network(configured, 1 / 500).nodes
 
 
 def test_plan_nodes_without_rdma_have_no_fabric_address():
     topology = Topology.from_config("three_cluster")
-    plan = plan_lab(topology, 1 / 1000)
-    c0 = next(node for node in plan.nodes if node.name == "C-node0")
+    network = design_network(topology, 1 / 1000)
+    c0 = next(node for node in network.nodes if node.name == "C-node0")
     assert c0.fabric is None
     rates = {(c.link_class, c.gbps) for c in c0.egress}
     assert rates == {("tcp:C", 25), ("inter_cluster", 25)}  # C's own 25 Gb/s NIC limits both
 
 
+def scaled_config(topology: Topology, scale: float) -> Topology:
+    """The same cluster configured with every speed x `scale` (what the lab's links measure at)."""
+    spec = topology.spec
+    clusters = [replace(group, nic=replace(group.nic, gbps=group.nic.gbps * scale)) for group in spec.clusters]
+    intra = replace(spec.intra_node, gbps=spec.intra_node.gbps * scale)
+    return Topology(replace(spec, clusters=clusters, intra_node=intra, inter_cluster=spec.inter_cluster.scaled(scale)))
+
+
+UNEVEN = {  # unlisted inter-cluster pairs whose ends differ in speed, and a listed pair
+    "name": "uneven",
+    "devices_per_node": 2,
+    "inter_cluster": {"gbps": 80, "pairs": [{"clusters": ["A", "C"], "gbps": 5}]},
+    "clusters": [
+        {"name": "A", "nodes": 2, "nic": {"kind": "infiniband", "gbps": 400}},
+        {"name": "B", "nodes": 1, "nic": {"kind": "roce", "gbps": 50}, "device_tflops": 100},
+        {"name": "C", "nodes": 1, "nic": {"kind": "ethernet", "gbps": 25}},
+    ],
+}
+
+
+@pytest.mark.parametrize("cluster", ["two_cluster_mixed", "three_cluster", "multi_site", "single_node", UNEVEN])
+def test_the_lab_tells_its_ranks_its_links_as_measured_ones_and_they_plan_for_them(cluster):
+    """The ranks of a lab job get the cluster config as it is, with every link measured at its speed x the scale:
+    each pair of ranks (RDMA or forced onto TCP) at that speed, and the planner's choice the one it makes for a
+    config written at those speeds."""
+    topology, scale = Topology.from_config(cluster), 1 / 500
+    emulated, expected = emulated_topology(topology, scale), scaled_config(topology, scale)
+    assert emulated.spec == topology.spec
+    ranks = range(topology.world_size)
+    for a, b, rdma in ((a, b, rdma) for a in ranks for b in ranks if a != b for rdma in (True, False)):
+        assert emulated.link(a, b, rdma) == pytest.approx(expected.link(a, b, rdma)), (a, b, rdma)
+    model = ModelProfile.from_gpt(ModelConfig(n_layers=4, d_model=256, n_heads=4, seq_len=64))
+    batch = BatchSettings(8 * topology.world_size)
+    for options in (PlanOptions(backend="gloo"), PlanOptions(layout="nic_unaware", partition="uniform")):
+        planned = best_plan(emulated, model, batch, options=options)
+        assert planned == best_plan(expected, model, batch, options=options)
+
+
 @pytest.mark.parametrize(("scale", "field"), [(0, "lab.bandwidth_scale=0"), (0.1, "lab.bandwidth_scale=0.1")])
 def test_bad_scale_names_the_field_and_the_fix(scale, field):
     with pytest.raises(TopologyError, match=field) as err:
-        plan_lab(Topology.from_config("two_cluster_mixed"), scale)
+        design_network(Topology.from_config("two_cluster_mixed"), scale)
     assert "must be > 0" in str(err.value) or "use at most" in str(err.value)
 
 
@@ -137,9 +177,11 @@ def test_probe_pairs_cover_every_link_class():
 
 
 def test_probe_config_errors_name_the_field(capsys):
-    for override, message in (("probe.seconds=0", "probe.seconds=0"), ("lab.mode=emulat", "lab.mode='emulat'")):
-        with pytest.raises(ConfigError, match=message):
-            load_config([override])
+    with pytest.raises(ConfigError, match="probe.seconds=0"):
+        load_config(["probe.seconds=0"])
+    with pytest.raises(Exception, match="Error merging override lab.mode=emulat") as caught:
+        load_config(["lab.mode=emulat"])
+    assert "Invalid value 'emulat', expected one of [loopback, emulate]" in str(caught.value.__cause__)
     assert probe_main(["probe.secnds=1"]) == 2
     assert "secnds" in capsys.readouterr().err
 
@@ -172,7 +214,7 @@ def sent_bytes(topology: Topology, node: int) -> dict[str, int]:
     """Bytes each HTB class on this namespace's egress has sent so far (`tc -s class show`), by link class."""
     shown = subprocess.run(["tc", "-s", "class", "show", "dev", DEVICE], capture_output=True, text=True, check=True)
     sent = dict(re.findall(r"class htb (\S+) .*\n Sent (\d+) bytes", shown.stdout))
-    egress = plan_lab(topology, SCALE).nodes[node].egress
+    egress = design_network(topology, SCALE).nodes[node].egress
     return {shaped.link_class: int(sent[f"1:{10 + i:x}"]) for i, shaped in enumerate(egress)}  # ids as network.py
 
 

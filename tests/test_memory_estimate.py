@@ -11,8 +11,8 @@ import pytest
 
 from holmes_lightning.bench.config import MEMORY_VARIANTS, BenchSettings
 from holmes_lightning.bench.memory import MemoryRow, draw, markdown, meta_profile, plan_memory_variants
-from holmes_lightning.config import ConfigError, ModelConfig
-from holmes_lightning.planner import BatchSettings, ModelProfile, PlanError, PlanOptions, Sharding, plan
+from holmes_lightning.cli.config import ConfigError, ModelConfig, StrategyConfig
+from holmes_lightning.planner import BatchSettings, ModelProfile, PlanError, PlanOptions, Sharding, best_plan
 from holmes_lightning.planner.cost import CostModel
 from holmes_lightning.topology import Topology
 
@@ -45,14 +45,17 @@ def test_fsdp_without_a_pipeline_unshards_about_two_layers_at_a_time():
 
 def test_plans_report_the_estimate_of_their_worst_stage_and_the_memory_limit_uses_it():
     batch = BatchSettings(global_batch=8)
-    found = plan(TOPOLOGY, PROFILE, batch, PlanOptions(pp=2, sharding="none", backend="gloo"))
+    found = best_plan(TOPOLOGY, PROFILE, batch, options=PlanOptions(pp=2, sharding="none", backend="gloo"))
     assert found.prediction.memory_gb == max(stage.memory_gb for stage in found.stages)
     for stage in found.stages:
         params = sum(PROFILE.layers[i].param_bytes for i in stage.layers)
         assert stage.memory_gb * GB > 4 * params  # weights, gradients, AdamW states, the activations in flight
     with pytest.raises(PlanError, match="memory_limit_gb"):
-        plan(
-            TOPOLOGY, PROFILE, batch, PlanOptions(pp=2, sharding="none", memory_limit_gb=found.prediction.memory_gb / 2)
+        best_plan(
+            TOPOLOGY,
+            PROFILE,
+            batch,
+            options=PlanOptions(pp=2, sharding="none", memory_limit_gb=found.prediction.memory_gb / 2),
         )
 
 
@@ -60,7 +63,7 @@ def test_memory_bench_plans_its_runs_and_judges_each_rank(tmp_path):
     model = ModelConfig(name="m", n_layers=4, d_model=64, n_heads=4, seq_len=16)
     settings = BenchSettings(name="memory", kind="memory", model=model, global_batch=4, variants=list(MEMORY_VARIANTS))
     profile = meta_profile(model)
-    variants = plan_memory_variants(TOPOLOGY, profile, settings, PlanOptions(pp=2))
+    variants = plan_memory_variants(TOPOLOGY, profile, settings, StrategyConfig(pp=2))
     assert [(v.plan.pp, v.plan.dp, v.plan.sharding) for v in variants] == [
         (2, 2, Sharding.fsdp),
         (2, 2, Sharding.none),

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from holmes_lightning import planner
-from holmes_lightning.config import ModelConfig
+from holmes_lightning.cli.config import ModelConfig
 from holmes_lightning.planner import BatchSettings, ModelProfile, PlanOptions
 from holmes_lightning.runtime import nccl
 from holmes_lightning.runtime.groups import hop_groups, plan_groups
@@ -26,7 +26,9 @@ MIXED = {
 
 def mixed_plan(spec: ClusterSpec) -> planner.Plan:
     model = ModelConfig(n_layers=4, d_model=32, n_heads=2, seq_len=16)
-    return planner.plan(Topology(spec), ModelProfile.from_gpt(model), BatchSettings(16, 4), PlanOptions(pp=2, dp=4))
+    return planner.best_plan(
+        Topology(spec), ModelProfile.from_gpt(model), BatchSettings(16, 4), options=PlanOptions(pp=2, dp=4)
+    )
 
 
 def test_inside_a_fabric_nccl_chooses_and_across_fabrics_it_uses_sockets() -> None:
@@ -44,7 +46,9 @@ def test_pipeline_hops_inside_a_fabric_get_a_group_on_it() -> None:
     # middle hop crosses; the hops inside the IB and the RoCE cluster get a group of their two ranks on the fabric
     spec = load_cluster_spec(MIXED)
     model = ModelConfig(n_layers=8, d_model=32, n_heads=2, seq_len=16)
-    plan = planner.plan(Topology(spec), ModelProfile.from_gpt(model), BatchSettings(16, 4), PlanOptions(pp=4, dp=2))
+    plan = planner.best_plan(
+        Topology(spec), ModelProfile.from_gpt(model), BatchSettings(16, 4), options=PlanOptions(pp=4, dp=2)
+    )
     layout = plan.mesh_layout()
     hops = hop_groups(plan, Topology(spec))
     assert plan.pp_links == (LinkKind.TCP, LinkKind.TCP)

@@ -10,11 +10,10 @@ from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 from pictures import colour_pixels
 
-from holmes_lightning.config import ModelConfig
-from holmes_lightning.lab.probe import ClassSummary, plot
-from holmes_lightning.planner import BatchSettings, ModelProfile
+from holmes_lightning.cli.config import ModelConfig
+from holmes_lightning.cli.probe import ClassSummary, plot
+from holmes_lightning.planner import BatchSettings, ModelProfile, PlanOptions, compare_plans
 from holmes_lightning.planner.draw import BACKWARD, FORWARD, draw_plans
-from holmes_lightning.planner.planner import PlanOptions, compare
 from holmes_lightning.topology import Topology
 
 # Not a shipped cluster: three RoCE nodes of 2 GPUs and one InfiniBand node of 4, slow links between them.
@@ -36,7 +35,7 @@ def _rectangles(axes) -> list:
 def test_plan_picture_shows_every_stage_rank_and_micro_batch(tmp_path: Path, saved_figures: list[Figure]) -> None:
     topology = Topology.from_config(ODD_CLUSTER)
     profile = ModelProfile.from_gpt(ModelConfig(n_layers=12, d_model=1024, n_heads=16, seq_len=1024))
-    plans = compare(topology, profile, BatchSettings(64, 8), PlanOptions(schedule="Interleaved1F1B"))
+    plans = compare_plans(topology, profile, BatchSettings(64, 8), options=PlanOptions(schedule="Interleaved1F1B"))
     shown = ("holmes", "nic_unaware")
     png = draw_plans(plans, topology, tmp_path / "plan.png", timelines=shown)
     (figure,) = saved_figures

@@ -1,4 +1,4 @@
-"""`python -m holmes_lightning.plan`: the table, the picture, the JSON, and clear errors for bad settings."""
+"""`python -m holmes_lightning.cli.plan`: the table, the picture, the JSON, and clear errors for bad settings."""
 
 import itertools
 import subprocess
@@ -9,8 +9,8 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from holmes_lightning.config import PlanJobConfig, register_configs
-from holmes_lightning.plan import run
+from holmes_lightning.cli.config import PlanJobConfig, register_configs
+from holmes_lightning.cli.plan import run
 from holmes_lightning.planner import Plan
 from holmes_lightning.topology import config_dir
 
@@ -53,7 +53,7 @@ def test_cli_passes_strategy_and_plan_settings_through():
         "strategy.pp=2",
         "strategy.partition=[2,4]",
         "data.global_batch=8",
-        "strategy.dp_overlap=0",
+        "strategy.costs.dp_overlap=0",
     )
     holmes = run(config)["holmes"]
     assert (holmes.schedule, holmes.pp, holmes.layers_per_stage()) == ("GPipe", 2, [2, 4])
@@ -68,7 +68,7 @@ def test_a_misspelled_key_is_rejected():
 @pytest.mark.slow
 def test_module_entry_point_and_bad_input():
     ok = subprocess.run(
-        [sys.executable, "-m", "holmes_lightning.plan", "model=gpt_tiny", "cluster=ib_only"],
+        [sys.executable, "-m", "holmes_lightning.cli.plan", "model=gpt_tiny", "cluster=ib_only"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -76,13 +76,13 @@ def test_module_entry_point_and_bad_input():
     assert ok.returncode == 0, ok.stderr
     assert "Predicted step, same cost model" in ok.stdout
     bad = subprocess.run(
-        [sys.executable, "-m", "holmes_lightning.plan", "cluster=three_cluster", "strategy.dp=3"],
+        [sys.executable, "-m", "holmes_lightning.cli.plan", "cluster=three_cluster", "strategy.dp=3"],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert bad.returncode != 0
-    assert "strategy.dp=3" in bad.stderr and "use dp in [1, 2]" in bad.stderr
+    assert "dp=3: every stage must hold one NIC kind" in bad.stderr and "use dp in [1, 2]" in bad.stderr
 
 
 def test_cli_shows_links_per_pair_of_clusters_and_what_the_search_did(capsys):

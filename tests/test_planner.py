@@ -1,21 +1,24 @@
 """The Holmes planner: layouts, the partition, degrees, feasibility errors and the comparison with alternatives."""
 
-from dataclasses import replace
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from holmes_lightning.config import ModelConfig
+from holmes_lightning.cli.config import ModelConfig
 from holmes_lightning.planner import (
+    Backend,
     BatchSettings,
     LayerProfile,
+    LayoutKind,
+    MachineCosts,
     ModelProfile,
     Plan,
     PlanError,
     PlanOptions,
-    compare,
-    plan,
+    Schedule,
+    SettingError,
+    best_plan,
+    compare_plans,
 )
 from holmes_lightning.planner.layout import dp_degrees, group_orders, holmes_layout
 from holmes_lightning.topology import LinkKind, NICKind, Topology, shipped_cluster_names
@@ -50,7 +53,7 @@ def check_layout(topology: Topology, result: Plan) -> None:
 @pytest.mark.parametrize("name", shipped_cluster_names())
 def test_every_shipped_config_gets_a_valid_layout(name):
     topology = Topology.from_config(name)
-    result = plan(topology, GPT_SMALL, BatchSettings(global_batch=8 * topology.world_size))
+    result = best_plan(topology, GPT_SMALL, BatchSettings(global_batch=8 * topology.world_size))
     check_layout(topology, result)
     assert Plan.from_json(result.to_json()) == result
 
@@ -85,15 +88,15 @@ def test_layout_invariants_on_random_topologies(topology):
     fewest_stages = topology.world_size // max(dp_degrees(topology))
     if fewest_stages > GPT_SMALL.num_layers:  # e.g. 13 ranks in coprime groups: 13 stages of one rank, 12 layers
         with pytest.raises(PlanError, match=f"need {fewest_stages} layers but 'gpt_small' has 12"):
-            plan(topology, GPT_SMALL, BatchSettings(global_batch=4 * topology.world_size))
+            best_plan(topology, GPT_SMALL, BatchSettings(global_batch=4 * topology.world_size))
         return
-    result = plan(topology, GPT_SMALL, BatchSettings(global_batch=4 * topology.world_size))
+    result = best_plan(topology, GPT_SMALL, BatchSettings(global_batch=4 * topology.world_size))
     check_layout(topology, result)
 
 
 def test_two_cluster_mixed_puts_one_stage_per_cluster_and_beats_the_alternatives():
     topology = Topology.from_config("two_cluster_mixed")
-    plans = compare(topology, GPT_7_5B, BatchSettings(global_batch=64))
+    plans = compare_plans(topology, GPT_7_5B, BatchSettings(global_batch=64))
     holmes = plans["holmes"]
     assert holmes.pp == 2 and holmes.dp == 2
     assert [(s.clusters, s.nics, s.dp_link) for s in holmes.stages] == [
@@ -118,7 +121,7 @@ def test_hostname_order_mixes_kinds_for_megatron_but_not_for_holmes():
         {"name": "B", "nodes": 2, "nic": {"kind": "roce", "gbps": 200}, "hostnames": ["gpu2", "gpu4"]},
     ]
     topology = Topology.from_config({"name": "interleaved", "clusters": clusters})
-    plans = compare(topology, GPT_7_5B, BatchSettings(global_batch=64))
+    plans = compare_plans(topology, GPT_7_5B, BatchSettings(global_batch=64))
     assert [s.ranks for s in plans["holmes"].stages] == [(0, 1), (2, 3)]
     assert [s.ranks for s in plans["nic_unaware"].stages] == [(0, 2), (1, 3)]
     assert plans["nic_unaware"].stages[0].nics == (NICKind.infiniband, NICKind.roce)
@@ -134,12 +137,12 @@ def test_a_slower_cluster_gets_fewer_layers():
     ]
     topology = Topology.from_config({"name": "mixed_speed", "clusters": clusters})
     batch = BatchSettings(global_batch=64)
-    holmes = plan(topology, GPT_7_5B, batch, PlanOptions(pp=2))
+    holmes = best_plan(topology, GPT_7_5B, batch, options=PlanOptions(pp=2))
     layers = {stage.clusters[0]: len(stage.layers) for stage in holmes.stages}
     assert layers["slow"] < layers["fast"]
-    uniform = plan(topology, GPT_7_5B, batch, PlanOptions(pp=2, partition="uniform"))
+    uniform = best_plan(topology, GPT_7_5B, batch, options=PlanOptions(pp=2, partition="uniform"))
     assert holmes.prediction.total_s < uniform.prediction.total_s
-    three = plan(Topology.from_config("three_cluster"), GPT_7_5B, batch)
+    three = best_plan(Topology.from_config("three_cluster"), GPT_7_5B, batch)
     per_cluster = {}
     for stage in three.stages:
         per_cluster.setdefault(stage.clusters[0], []).append(len(stage.layers))
@@ -147,71 +150,104 @@ def test_a_slower_cluster_gets_fewer_layers():
 
 
 def test_stage_order_keeps_the_slowest_link_at_one_boundary():
-    three = plan(Topology.from_config("three_cluster"), GPT_7_5B, BatchSettings(global_batch=64))
+    three = best_plan(Topology.from_config("three_cluster"), GPT_7_5B, BatchSettings(global_batch=64))
     clusters = [s.clusters[0] for s in three.stages]
     assert clusters[0] == "C" or clusters[-1] == "C", clusters  # C (25 Gb/s) touches only one stage boundary
 
 
 def test_explicit_degrees_partition_and_interleaving():
     topology = Topology.from_config("ib_only")
-    result = plan(topology, GPT_SMALL, BatchSettings(16), PlanOptions(pp=2, partition=[5, 7]))
+    result = best_plan(topology, GPT_SMALL, BatchSettings(16), options=PlanOptions(pp=2, partition=[5, 7]))
     assert (result.pp, result.dp, result.layers_per_stage(), result.partition) == (2, 2, [5, 7], "explicit")
-    interleaved = plan(
-        topology, GPT_SMALL, BatchSettings(16, microbatches=4), PlanOptions(pp=4, schedule="Interleaved1F1B")
+    interleaved = best_plan(
+        topology, GPT_SMALL, BatchSettings(16, microbatches=4), options=PlanOptions(pp=4, schedule="Interleaved1F1B")
     )
     assert all(len(stage.chunks) == 2 for stage in interleaved.stages)
     starts = sorted(
         (start, stage.index, j) for stage in interleaved.stages for j, (start, _) in enumerate(stage.chunks)
     )
     assert [(s, j) for _, s, j in starts] == [(s, j) for j in range(2) for s in range(4)]  # virtual stage s + j * pp
-    gpipe = plan(topology, GPT_SMALL, BatchSettings(16), PlanOptions(schedule="GPipe", pp=4))
+    gpipe = best_plan(topology, GPT_SMALL, BatchSettings(16), options=PlanOptions(schedule="GPipe", pp=4))
     assert gpipe.schedule == "GPipe" and gpipe.pp == 4
 
 
 @pytest.mark.parametrize(
     ("cluster", "batch", "options", "expected"),
     [
-        ("three_cluster", BatchSettings(64), PlanOptions(dp=4), ["strategy.dp=4", "NIC groups", "use dp in [1, 2]"]),
-        ("three_cluster", BatchSettings(64), PlanOptions(pp=3), ["strategy.pp=3", "does not divide"]),
-        ("ib_only", BatchSettings(64), PlanOptions(pp=2, dp=4), ["strategy.pp=2 x strategy.dp=4", "has 4"]),
-        ("ib_only", BatchSettings(16, microbatches=3), PlanOptions(pp=2), ["strategy.microbatches=3", "[1, 2, 4, 8]"]),
+        ("three_cluster", BatchSettings(64), PlanOptions(dp=4), ["dp=4", "NIC groups", "use dp in [1, 2]"]),
+        ("three_cluster", BatchSettings(64), PlanOptions(pp=3), ["pp=3", "does not divide"]),
+        ("ib_only", BatchSettings(64), PlanOptions(pp=2, dp=4), ["pp=2 x dp=4", "has 4"]),
+        ("ib_only", BatchSettings(16, microbatches=3), PlanOptions(pp=2), ["microbatches=3", "[1, 2, 4, 8]"]),
         ("ib_only", BatchSettings(2), PlanOptions(pp=4), ["1F1B needs microbatches >= stages", "GPipe"]),
-        ("ib_only", BatchSettings(6), PlanOptions(dp=4), ["data.global_batch=6", "multiple of 4"]),
-        ("ib_only", BatchSettings(16), PlanOptions(schedule="ZBV"), ["strategy.schedule='ZBV'", "GPipe, 1F1B"]),
-        ("ib_only", BatchSettings(16), PlanOptions(partition=[1, 2]), ["strategy.partition=[1, 2]", "sum to"]),
+        ("ib_only", BatchSettings(6), PlanOptions(dp=4), ["global_batch=6", "multiple of 4"]),
+        ("ib_only", BatchSettings(16), PlanOptions(partition=[1, 2]), ["partition=[1, 2]", "sum to"]),
         ("ib_only", BatchSettings(16), PlanOptions(pp=4, partition=[6, 6]), ["lists 2 stages", "pp=4"]),
-        ("ib_only", BatchSettings(16), PlanOptions(efficiency=1.5), ["strategy.efficiency=1.5"]),
-        ("ib_only", BatchSettings(64), PlanOptions(memory_limit_gb=1.0), ["strategy.memory_limit_gb=1.0"]),
+        ("ib_only", BatchSettings(64), PlanOptions(memory_limit_gb=1.0), ["memory_limit_gb=1.0"]),
     ],
 )
 def test_infeasible_requests_name_the_setting_and_a_fix(cluster, batch, options, expected):
     with pytest.raises(PlanError) as caught:
-        plan(Topology.from_config(cluster), GPT_SMALL if "memory" not in expected[0] else GPT_7_5B, batch, options)
+        best_plan(
+            Topology.from_config(cluster),
+            GPT_SMALL if "memory" not in expected[0] else GPT_7_5B,
+            batch,
+            options=options,
+        )
     for text in expected:
         assert text in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [
+        (lambda: PlanOptions(pp=0), "PlanOptions(pp=0): use a positive number of stages"),
+        (lambda: PlanOptions(dp=True), "PlanOptions(dp=True): use a positive DP size"),
+        (lambda: PlanOptions(schedule="ZBV"), "PlanOptions(schedule='ZBV'): use one of GPipe, 1F1B, Interleaved1F1B"),
+        (lambda: PlanOptions(layout="ring"), "PlanOptions(layout='ring'): use one of holmes, nic_unaware"),
+        (lambda: PlanOptions(partition="even"), "PlanOptions(partition='even'): use auto, uniform, or a list"),
+        (lambda: PlanOptions(partition=[2, 0]), "PlanOptions(partition=[2, 0]): use auto, uniform"),
+        (lambda: PlanOptions(memory_limit_gb=0), "PlanOptions(memory_limit_gb=0): use the device memory in GB"),
+        (lambda: BatchSettings(0), "BatchSettings(global_batch=0): use a positive number of samples"),
+        (lambda: MachineCosts(efficiency=1.5), "MachineCosts(efficiency=1.5): use a fraction of peak in (0, 1]"),
+        (lambda: MachineCosts(latency_s=-1.0), "MachineCosts(latency_s=-1.0): use seconds >= 0"),
+        (lambda: MachineCosts(shared_cores=0), "MachineCosts(shared_cores=0): use the machine's core count"),
+    ],
+)
+def test_a_bad_setting_is_refused_when_it_is_made_naming_the_field(make, expected):
+    with pytest.raises(SettingError) as caught:
+        make()
+    assert str(caught.value).startswith(expected)
+
+
+def test_settings_arrive_as_enums_and_strings_still_compare_equal():
+    options = PlanOptions(schedule="GPipe", layout="nic_unaware", sharding="fsdp", backend="gloo", partition=[3, 3])
+    assert options.schedule is Schedule.GPipe and options.schedule == "GPipe"
+    assert (options.layout, options.sharding, options.backend) == (LayoutKind.nic_unaware, "fsdp", Backend.gloo)
+    assert options.partition == (3, 3)
+    assert PlanOptions(schedule="Interleaved1F1B").chunks == 2 and PlanOptions().chunks == 1
 
 
 def test_more_stages_than_layers_is_an_error():
     tiny = ModelProfile.from_gpt(ModelConfig(n_layers=1, d_model=64, n_heads=4, seq_len=32))
     with pytest.raises(PlanError, match=r"pp=4 stages x 1 chunk\(s\) need 4 layers but 'gpt_tiny' has 3"):
-        plan(Topology.from_config("ib_only"), tiny, BatchSettings(16), PlanOptions(pp=4))
+        best_plan(Topology.from_config("ib_only"), tiny, BatchSettings(16), options=PlanOptions(pp=4))
 
 
 def test_a_profile_without_costs_on_one_device_still_plans():
     unknown = ModelProfile("opaque", (LayerProfile("model", 0.0, 0.0, 1e6, 0.0, 0.0),), tokens_per_sample=1)
     topology = Topology.from_config({"name": "one", "clusters": [{"name": "x", "nodes": 1}]})
-    result = plan(topology, unknown, BatchSettings(4), PlanOptions(layout="flat_fsdp"))
+    result = best_plan(topology, unknown, BatchSettings(4), options=PlanOptions(layout="flat_fsdp"))
     assert (result.pp, result.dp, result.prediction.total_s, result.prediction.tokens_per_s) == (1, 1, 0.0, 0.0)
 
 
 def test_memory_limit_pushes_the_plan_to_more_stages():
     topology = Topology.from_config("paper_4ib_4roce")
-    free = plan(topology, GPT_7_5B, BatchSettings(2048))
+    free = best_plan(topology, GPT_7_5B, BatchSettings(2048))
     limit = free.prediction.memory_gb * 0.6
-    limited = plan(topology, GPT_7_5B, BatchSettings(2048), PlanOptions(memory_limit_gb=limit))
+    limited = best_plan(topology, GPT_7_5B, BatchSettings(2048), options=PlanOptions(memory_limit_gb=limit))
     assert limited.prediction.memory_gb <= limit
     assert limited.pp > free.pp
-    plans = compare(topology, GPT_7_5B, BatchSettings(2048), PlanOptions(memory_limit_gb=limit))
+    plans = compare_plans(topology, GPT_7_5B, BatchSettings(2048), options=PlanOptions(memory_limit_gb=limit))
     assert all(p.prediction.memory_gb <= limit for p in plans.values())
     for name in {"uniform", "nic_unaware", "flat_fsdp", "homogeneous"} - set(plans):
         assert any(note.startswith(f"alternative {name} is infeasible") for note in plans["holmes"].notes)
@@ -223,8 +259,9 @@ def test_gloo_fsdp_pays_an_all_reduce_for_its_reduce_scatter():
     batch = BatchSettings(global_batch=16)
 
     def sync(backend: str, sharding: str) -> float:
-        options = PlanOptions(pp=2, backend=backend, sharding=sharding, dp_overlap=0.0)
-        return sum(stage.sync_s for stage in plan(topology, GPT_SMALL, batch, options).stages)
+        options = PlanOptions(pp=2, backend=backend, sharding=sharding)
+        planned = best_plan(topology, GPT_SMALL, batch, options=options, costs=MachineCosts(dp_overlap=0.0))
+        return sum(stage.sync_s for stage in planned.stages)
 
     assert sync("gloo", "fsdp") == pytest.approx(1.5 * sync("gloo", "none"))
     assert sync("nccl", "fsdp") == pytest.approx(sync("nccl", "none"))
@@ -234,34 +271,46 @@ def test_gloo_fsdp_pays_an_all_reduce_for_its_reduce_scatter():
 def test_auto_sharding_picks_replicas_on_gloo_fsdp_on_nccl_and_fsdp_when_replicas_do_not_fit():
     topology = Topology.from_config("two_cluster_mixed")
     batch = BatchSettings(global_batch=16)
-    assert plan(topology, GPT_SMALL, batch, PlanOptions(backend="gloo", pp=2)).sharding == "none"
-    assert plan(topology, GPT_SMALL, batch, PlanOptions(backend="nccl", pp=2)).sharding == "fsdp"
+    assert best_plan(topology, GPT_SMALL, batch, options=PlanOptions(backend="gloo", pp=2)).sharding == "none"
+    assert best_plan(topology, GPT_SMALL, batch, options=PlanOptions(backend="nccl", pp=2)).sharding == "fsdp"
     wider = Topology.from_config("two_cluster_mixed", devices_per_node=2)  # dp=4: sharding saves memory in a pipeline
-    replicas = plan(wider, GPT_SMALL, batch, PlanOptions(backend="gloo", sharding="none", pp=2))
-    sharded = plan(wider, GPT_SMALL, batch, PlanOptions(backend="gloo", sharding="fsdp", pp=2))
+    replicas = best_plan(wider, GPT_SMALL, batch, options=PlanOptions(backend="gloo", sharding="none", pp=2))
+    sharded = best_plan(wider, GPT_SMALL, batch, options=PlanOptions(backend="gloo", sharding="fsdp", pp=2))
     assert sharded.prediction.memory_gb < replicas.prediction.memory_gb
     limit = (sharded.prediction.memory_gb + replicas.prediction.memory_gb) / 2
     tight = PlanOptions(backend="gloo", pp=2, memory_limit_gb=limit)
-    assert plan(wider, GPT_SMALL, batch, tight).sharding == "fsdp"
+    assert best_plan(wider, GPT_SMALL, batch, options=tight).sharding == "fsdp"
 
 
 def test_dp_sync_hides_only_under_a_pass_without_a_pipeline():
     topology = Topology.from_config("two_cluster_mixed")
-    batch, options = BatchSettings(global_batch=16), PlanOptions(dp_overlap=1.0)
-    pipelined = plan(topology, GPT_SMALL, batch, replace(options, pp=2))
+    batch, costs = BatchSettings(global_batch=16), MachineCosts(dp_overlap=1.0)
+    pipelined = best_plan(topology, GPT_SMALL, batch, options=PlanOptions(pp=2), costs=costs)
     assert all(stage.exposed_sync_s == stage.sync_s > 0 for stage in pipelined.stages)  # reduced after the schedule
-    flat = plan(topology, GPT_SMALL, batch, replace(options, layout="flat_fsdp")).stages[0]
+    flat = best_plan(topology, GPT_SMALL, batch, options=PlanOptions(layout="flat_fsdp"), costs=costs).stages[0]
     assert flat.exposed_sync_s == pytest.approx(max(flat.sync_s - flat.forward_s[0] - flat.backward_s[0], 0.0))
 
 
 def test_per_layer_overhead_makes_micro_batches_cost_something_and_the_optimizer_step_ends_the_step():
     topology = Topology.from_config("two_cluster_mixed")
     batch = BatchSettings(global_batch=32)
-    free = plan(topology, GPT_SMALL, batch, PlanOptions(pp=2, sharding="none"))
-    costly = plan(topology, GPT_SMALL, batch, PlanOptions(pp=2, sharding="none", layer_overhead_s=0.05))
+    free = best_plan(topology, GPT_SMALL, batch, options=PlanOptions(pp=2, sharding="none"))
+    costly = best_plan(
+        topology,
+        GPT_SMALL,
+        batch,
+        options=PlanOptions(pp=2, sharding="none"),
+        costs=MachineCosts(layer_overhead_s=0.05),
+    )
     assert costly.microbatches < free.microbatches
     per_gb = 2.0
-    timed = plan(topology, GPT_SMALL, batch, PlanOptions(pp=2, sharding="fsdp", optimizer_s_per_gb=per_gb))
+    timed = best_plan(
+        topology,
+        GPT_SMALL,
+        batch,
+        options=PlanOptions(pp=2, sharding="fsdp"),
+        costs=MachineCosts(optimizer_s_per_gb=per_gb),
+    )
     for stage in timed.stages:
         held = sum(GPT_SMALL.layers[i].param_bytes for i in stage.layers) / timed.dp
         assert stage.update_s == pytest.approx(per_gb * held / 1e9)

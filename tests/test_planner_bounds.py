@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_planner_simulate import virtual_stages
 
-from holmes_lightning.planner import simulate
+from holmes_lightning.planner import Schedule, simulate
 from holmes_lightning.planner.bounds import (
     OneChunkWalk,
     PathShapes,
@@ -17,7 +17,7 @@ from holmes_lightning.planner.bounds import (
     stage_path_s,
     water_level_s,
 )
-from holmes_lightning.planner.schedules import SCHEDULES, microbatch_problem, stage_actions
+from holmes_lightning.planner.schedules import microbatch_problem, stage_actions
 
 seconds = st.floats(0.0, 5.0, allow_nan=False)
 
@@ -25,7 +25,7 @@ seconds = st.floats(0.0, 5.0, allow_nan=False)
 @st.composite
 def pipelines(draw):
     """A schedule with random per-virtual-stage forward/backward/send seconds and per-stage tails."""
-    schedule = draw(st.sampled_from(SCHEDULES))
+    schedule = draw(st.sampled_from(list(Schedule)))
     pp, m = draw(st.integers(1, 6)), draw(st.integers(1, 12))
     chunks = draw(st.integers(2, 3)) if schedule == "Interleaved1F1B" else 1
     if microbatch_problem(schedule, pp, m):
@@ -82,7 +82,7 @@ def test_every_path_bound_stays_under_the_simulated_step(pipeline, backend):
 
 @settings(max_examples=200, deadline=None)
 @given(
-    schedule=st.sampled_from(SCHEDULES),
+    schedule=st.sampled_from(list(Schedule)),
     pp=st.integers(1, 8),
     m=st.integers(1, 24),
     forward=st.floats(0.01, 2.0),

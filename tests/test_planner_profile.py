@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from holmes_lightning.config import ModelConfig
+from holmes_lightning.cli.config import ModelConfig
 from holmes_lightning.measure import profile_modules
-from holmes_lightning.planner import BatchSettings, ModelProfile, PlanOptions, plan
+from holmes_lightning.planner import BatchSettings, ModelProfile, PlanOptions, best_plan
 from holmes_lightning.recipes.gpt import GPT
 from holmes_lightning.topology import Topology
 
@@ -42,7 +42,7 @@ def test_measured_seconds_drive_the_plan(measured):
         {"name": "B", "nodes": 1, "device_tflops": 156, "nic": {"kind": "roce", "gbps": 200}},
     ]
     topology = Topology.from_config({"name": "cpu_lab", "device_tflops": 312, "clusters": clusters})
-    result = plan(topology, measured, BatchSettings(4), PlanOptions(partition="uniform", pp=2))
+    result = best_plan(topology, measured, BatchSettings(4), options=PlanOptions(partition="uniform", pp=2))
     for stage in result.stages:
         (start, stop), slowdown = stage.chunks[0], 312 / stage.device_tflops  # B's devices take twice as long
         seconds = sum(layer.forward_s for layer in measured.layers[start:stop]) * slowdown * result.microbatch_size

@@ -11,23 +11,24 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from holmes_lightning.config import ModelConfig
+from holmes_lightning.cli.config import ModelConfig
 from holmes_lightning.planner import (
     BatchSettings,
     LayerProfile,
+    MachineCosts,
     ModelProfile,
     PlanError,
     PlanOptions,
     Sharding,
-    compare,
-    plan,
+    best_plan,
+    compare_plans,
     simulate,
 )
 from holmes_lightning.planner.candidate import Candidate
+from holmes_lightning.planner.choice import cost_model
 from holmes_lightning.planner.cost import CostModel
 from holmes_lightning.planner.layout import StageHardware, dp_degrees, holmes_layout
 from holmes_lightning.planner.partition import PartitionStats, search_partition
-from holmes_lightning.planner.planner import cost_model
 from holmes_lightning.planner.report import format_comparison
 from holmes_lightning.planner.schedules import microbatch_problem
 from holmes_lightning.planner.search import SearchStats
@@ -49,7 +50,9 @@ def compositions(total: int, parts: int):
         yield tuple(b - a for a, b in itertools.pairwise(bounds))
 
 
-def exhaustive_best(topology: Topology, profile: ModelProfile, batch: BatchSettings, options: PlanOptions) -> float:
+def exhaustive_best(
+    topology: Topology, profile: ModelProfile, batch: BatchSettings, options: PlanOptions, costs: MachineCosts
+) -> float:
     """The least simulated step over everything the planner can express for this request (math.inf: nothing fits)."""
     chunks = options.chunks_per_stage if options.schedule == "Interleaved1F1B" else 1
     limit = options.memory_limit_gb * GB if options.memory_limit_gb else None
@@ -64,7 +67,7 @@ def exhaustive_best(topology: Topology, profile: ModelProfile, batch: BatchSetti
             layout = holmes_layout(order, dp)
             hardware = StageHardware.of(topology, layout)
             for sharding in (Sharding.fsdp, Sharding.none):
-                cost = cost_model(topology, profile, options, sharding)
+                cost = cost_model(topology, profile, options=options, costs=costs, sharding=sharding)
                 for m in counts:
                     if microbatch_problem(options.schedule, pp, m):
                         continue
@@ -135,33 +138,37 @@ def requests(draw):
     options = PlanOptions(
         schedule=schedule,
         backend=draw(st.sampled_from(["nccl", "gloo"])),
+        memory_limit_gb=draw(st.sampled_from([None, None, 4.0])),
+    )
+    costs = MachineCosts(
         layer_overhead_s=draw(st.sampled_from([0.0, 0.01])),
         optimizer_s_per_gb=draw(st.sampled_from([0.0, 0.5])),
         latency_s=draw(st.sampled_from([0.0, 1e-3])),
         fsdp_layer_s=draw(st.sampled_from([0.0, 2e-3])),
         fsdp_reshard_layer_s=draw(st.sampled_from([0.0, 5e-3])),
         fsdp_optimizer_layer_s=draw(st.sampled_from([0.0, 1e-3])),
-        memory_limit_gb=draw(st.sampled_from([None, None, 4.0])),
     )
-    return options, draw(st.sampled_from([1, 2]))
+    return options, costs, draw(st.sampled_from([1, 2]))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(topology=clusters(max_clusters=4, max_nodes=2, devices=(1, 2)), request=requests(), data=st.data())
 def test_no_expressible_plan_is_faster_than_the_returned_one(topology, request, data):
-    options, samples_per_rank = request
+    options, costs, samples_per_rank = request
     fewest_stages = topology.world_size // dp_degrees(topology)[-1]
     model = data.draw(small_models(max_layers=7, min_layers=max(2, fewest_stages)))
     batch = BatchSettings(global_batch=samples_per_rank * topology.world_size)  # enough micro-batches for 1F1B
-    best = exhaustive_best(topology, model, batch, options)
+    best = exhaustive_best(topology, model, batch, options, costs)
     if best == math.inf:
         with pytest.raises(PlanError):
-            plan(topology, model, batch, options)
+            best_plan(topology, model, batch, options=options, costs=costs)
         return
-    chosen = plan(topology, model, batch, options)
+    chosen = best_plan(topology, model, batch, options=options, costs=costs)
     assert chosen.prediction.total_s <= best * (1 + 1e-9)
     assert chosen.prediction.total_s == pytest.approx(best, rel=1e-9), "the search found the best plan"
-    replayed = simulate(chosen.stages, chosen.schedule, chosen.microbatches, chosen.shared_cores, chosen.backend)
+    replayed = simulate(
+        chosen.stages, chosen.schedule, chosen.microbatches, shared_cores=chosen.shared_cores, backend=chosen.backend
+    )
     assert replayed.total_s == pytest.approx(chosen.prediction.total_s, rel=1e-12)
 
 
@@ -230,7 +237,7 @@ def test_the_plan_beats_uniform_nic_unaware_and_random_explicit_partitions(topol
         return
     global_batch = 4 * topology.world_size
     stats = SearchStats()
-    plans = compare(topology, profile, BatchSettings(global_batch), PlanOptions(), stats=stats)
+    plans = compare_plans(topology, profile, BatchSettings(global_batch), options=PlanOptions(), stats=stats)
     holmes = plans["holmes"].prediction.total_s
     for name in ("uniform", "nic_unaware"):  # NIC-unaware stays comparable while its DP groups stay on one fabric
         if name in plans and not any(stage.mixes_fabrics for stage in plans[name].stages):
@@ -239,7 +246,7 @@ def test_the_plan_beats_uniform_nic_unaware_and_random_explicit_partitions(topol
         options, batch = data.draw(explicit_requests(topology, profile, global_batch))
         if microbatch_problem(options.schedule, options.pp, batch.microbatches):
             continue
-        explicit = plan(topology, profile, batch, options)
+        explicit = best_plan(topology, profile, batch, options=options)
         assert holmes <= explicit.prediction.total_s * (1 + 1e-9), (options, batch)
     assert stats.candidates > 0 and stats.partitions.simulated > 0
 
@@ -260,7 +267,7 @@ def six_nodes() -> Topology:
     ids=["six_nodes-1.3B", "six_nodes-7.5B", "paper-7.5B"],
 )
 def test_the_issue_examples_beat_every_alternative_printed_beside_them(topology, profile):
-    plans = compare(topology, profile, BatchSettings(global_batch=64))
+    plans = compare_plans(topology, profile, BatchSettings(global_batch=64))
     holmes = plans.pop("holmes")
     plans.pop("homogeneous")  # other hardware: the limit, not an alternative
     for name, other in plans.items():
@@ -277,7 +284,7 @@ def test_an_alternative_outside_holmes_layouts_may_win_and_is_marked():
     ]
     topology = Topology.from_config({"name": "sites", "clusters": clusters, "inter_cluster": {"gbps": 1}})
     wide = ModelProfile.from_gpt(ModelConfig(name="wide", n_layers=4, d_model=64, n_heads=4, seq_len=4096))
-    plans = compare(topology, wide, BatchSettings(global_batch=32))
+    plans = compare_plans(topology, wide, BatchSettings(global_batch=32))
     assert all(not stage.mixes_fabrics for stage in plans["holmes"].stages)
     assert all(stage.mixes_fabrics for stage in plans["nic_unaware"].stages)
     assert plans["nic_unaware"].prediction.total_s < plans["holmes"].prediction.total_s

@@ -6,7 +6,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from holmes_lightning.planner import BatchSettings, PlanOptions, Sharding, on_shared_cores, plan, simulate
+from holmes_lightning.planner import (
+    BatchSettings,
+    MachineCosts,
+    PlanOptions,
+    Sharding,
+    best_plan,
+    on_shared_cores,
+    simulate,
+)
 from holmes_lightning.planner.profile import LayerProfile, ModelProfile
 from holmes_lightning.planner.sharing import CoreSharing
 from holmes_lightning.planner.simulate import Replay
@@ -73,20 +81,30 @@ def test_planner_predicts_with_the_sharing_it_was_given():
     )
     profile = ModelProfile("toy", layers, tokens_per_sample=64)
     batch = BatchSettings(16)
-    shared = plan(topology, profile, batch, PlanOptions(backend="gloo", pp=2, shared_cores=2))
+    shared = best_plan(
+        topology, profile, batch, options=PlanOptions(backend="gloo", pp=2), costs=MachineCosts(shared_cores=2)
+    )
     assert shared.shared_cores == 2
-    replayed = simulate(shared.stages, shared.schedule, shared.microbatches, shared.shared_cores, shared.backend)
+    replayed = simulate(
+        shared.stages, shared.schedule, shared.microbatches, shared_cores=shared.shared_cores, backend=shared.backend
+    )
     assert shared.prediction.total_s == pytest.approx(replayed.total_s, rel=1e-9)
     world = topology.world_size
-    slowed = plan(topology, profile, batch, PlanOptions(backend="gloo", pp=2, efficiency=0.5 * 2 / world))
+    slowed = best_plan(
+        topology,
+        profile,
+        batch,
+        options=PlanOptions(backend="gloo", pp=2),
+        costs=MachineCosts(efficiency=0.5 * 2 / world),
+    )
     assert shared.prediction.total_s <= slowed.prediction.total_s * (1 + 1e-6)
 
 
 def test_shared_cores_must_be_positive():
     topology = Topology.from_config("two_cluster_mixed")
     profile = ModelProfile("toy", (LayerProfile("a", 1e9, 2e9, 1e6, 1e5, 1e5),) * 4, tokens_per_sample=8)
-    with pytest.raises(ValueError, match="strategy.shared_cores"):
-        plan(topology, profile, BatchSettings(8), PlanOptions(shared_cores=0))
+    with pytest.raises(ValueError, match=r"MachineCosts\(shared_cores=0\): use the machine's core count"):
+        best_plan(topology, profile, BatchSettings(8), options=PlanOptions(), costs=MachineCosts(shared_cores=0))
 
 
 def test_a_plan_for_a_device_per_rank_runs_no_slower_on_shared_cores():
@@ -95,7 +113,13 @@ def test_a_plan_for_a_device_per_rank_runs_no_slower_on_shared_cores():
     topology = Topology.from_config("two_cluster_mixed")
     layers = tuple(LayerProfile(f"block{i}", 4e10, 8e10, 8e6, 1e6, 4e6) for i in range(6))
     profile = ModelProfile("toy", layers, tokens_per_sample=64)
-    devices = plan(topology, profile, BatchSettings(16), PlanOptions(backend="gloo", pp=2, efficiency=0.25))
+    devices = best_plan(
+        topology,
+        profile,
+        BatchSettings(16),
+        options=PlanOptions(backend="gloo", pp=2),
+        costs=MachineCosts(efficiency=0.25),
+    )
     shared = on_shared_cores(devices, profile, cores=2, share=0.5)
     assert [s.ranks for s in shared.stages] == [s.ranks for s in devices.stages]
     assert shared.prediction.total_s <= devices.prediction.total_s * (1 + 1e-9)
@@ -112,14 +136,20 @@ def test_moving_bytes_on_shared_cores_costs_the_cores_what_each_byte_takes():
     layers = tuple(LayerProfile(f"block{i}", 4e10, 8e10, 8e6, 1e6, 4e6) for i in range(6))
     profile = ModelProfile("toy", layers, tokens_per_sample=64)
     batch, c = BatchSettings(16), 1e-8
-    flat = PlanOptions(backend="gloo", layout="flat_fsdp", sharding=Sharding.none, efficiency=0.25, dp_overlap=0.0)
-    replicas = plan(topology, profile, batch, flat)
+    flat = PlanOptions(backend="gloo", layout="flat_fsdp", sharding=Sharding.none)
+    replicas = best_plan(topology, profile, batch, options=flat, costs=MachineCosts(efficiency=0.25, dp_overlap=0.0))
     free, costly = (on_shared_cores(replicas, profile, cores=2, share=0.5, transfer_cpu_s_per_byte=x) for x in (0, c))
     added = c * 4 * 1.5 * profile.param_bytes / 2
     assert costly.prediction.total_s == pytest.approx(free.prediction.total_s + added)
     assert costly.prediction.dp_sync_s == pytest.approx(free.prediction.dp_sync_s + added)
 
-    piped = plan(topology, profile, batch, PlanOptions(backend="gloo", pp=2, efficiency=0.25, dp_overlap=0.0))
+    piped = best_plan(
+        topology,
+        profile,
+        batch,
+        options=PlanOptions(backend="gloo", pp=2),
+        costs=MachineCosts(efficiency=0.25, dp_overlap=0.0),
+    )
     free, costly = (on_shared_cores(piped, profile, cores=2, share=0.5, transfer_cpu_s_per_byte=x) for x in (0, c))
     (_, boundary), mb = piped.stages[0].chunks[0], piped.microbatch_size
     message_s = c * layers[boundary - 1].activation_bytes * mb
@@ -136,12 +166,15 @@ def test_a_pipeline_messages_cpu_joins_the_pass_that_sends_it_on_shared_cores_on
     topology = Topology.from_config("two_cluster_mixed")
     layers = tuple(LayerProfile(f"block{i}", 4e10, 8e10, 8e6, 1e6, 4e6) for i in range(8))
     profile = ModelProfile("toy", layers, tokens_per_sample=64)
-    options = PlanOptions(backend="gloo", pp=2, schedule="Interleaved1F1B", partition=[2, 2, 2, 2], efficiency=0.25)
+    options = PlanOptions(backend="gloo", pp=2, schedule="Interleaved1F1B", partition=[2, 2, 2, 2])
     c = 0.003
     for cores, added in ((2, c), (None, 0.0)):
-        shared = replace(options, shared_cores=cores)
+        shared = MachineCosts(efficiency=0.25, shared_cores=cores)
         batch = BatchSettings(16, microbatches=4)
-        free, costly = (plan(topology, profile, batch, replace(shared, message_cpu_s=x)) for x in (0.0, c))
+        free, costly = (
+            best_plan(topology, profile, batch, options=options, costs=replace(shared, message_cpu_s=x))
+            for x in (0.0, c)
+        )
         for stage, (first, second) in enumerate(zip(free.stages, costly.stages, strict=True)):
             virtual = (stage, stage + 2)  # loop placement
             forward = [added if v < 3 else 0.0 for v in virtual]

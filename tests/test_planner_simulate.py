@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from holmes_lightning.planner import StagePlan, simulate
+from holmes_lightning.planner import MachineCosts, StagePlan, simulate
 from holmes_lightning.planner.cost import GLOO_EARLY_BYTES, CostModel
 from holmes_lightning.planner.schedules import microbatch_problem, peak_stash, stage_actions
 from holmes_lightning.planner.simulate import Timeline
@@ -165,7 +165,7 @@ def test_microbatch_minimums():
 
 
 def test_exposed_sync_overlap_is_capped_by_the_pass_and_absent_in_a_pipeline():
-    cost = CostModel(topology=None, profile=None, dp_overlap=0.75)
+    cost = CostModel(topology=None, profile=None, machine=MachineCosts(dp_overlap=0.75))
     assert cost.exposed_sync_s(4.0, compute_s=10.0) == pytest.approx(1.0)  # 75% hidden
     assert cost.exposed_sync_s(4.0, compute_s=2.0) == pytest.approx(2.0)  # at most the pass's 2 s hidden
     assert cost.exposed_sync_s(4.0, compute_s=10.0, pipelined=True) == 4.0  # reduced after the schedule

@@ -21,8 +21,8 @@ from distributed import TinyMLP, deadline, one_rank_fails_while_the_others_wait,
 
 from holmes_lightning import HolmesStrategy
 from holmes_lightning.lab import run_in_lab
+from holmes_lightning.lab.design import run_prefix
 from holmes_lightning.lab.network import list_namespaces, unavailable_reason
-from holmes_lightning.lab.plan import run_prefix
 from holmes_lightning.runtime import checkpoint
 from holmes_lightning.runtime.preemption import HolmesCheckpoint
 from holmes_lightning.topology import Topology

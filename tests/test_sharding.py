@@ -10,7 +10,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from holmes_lightning.measure import profile_modules
-from holmes_lightning.planner import BatchSettings, PlanOptions, Sharding, plan
+from holmes_lightning.planner import BatchSettings, PlanOptions, Sharding, best_plan
 from holmes_lightning.runtime import sharding
 from holmes_lightning.topology import Topology
 
@@ -39,7 +39,9 @@ def test_a_group_of_one_rank_keeps_plain_modules_whatever_the_sharding(chosen):
     """FSDP2 or replicate on one rank would add hooks and DTensor optimizer steps for nothing to shard or sync."""
     layers = [nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2)]
     profile = profile_modules(layers, torch.randn(1, 3))
-    one_rank = plan(Topology.from_config(ONE_DEVICE), profile, BatchSettings(4), PlanOptions(sharding=chosen))
+    one_rank = best_plan(
+        Topology.from_config(ONE_DEVICE), profile, BatchSettings(4), options=PlanOptions(sharding=chosen)
+    )
     assert (one_rank.pp, one_rank.dp, one_rank.sharding) == (1, 1, chosen)
     root = nn.Sequential(*layers)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -18,13 +18,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from holmes_lightning import HolmesStrategy
+from holmes_lightning.cli.validate import collective_backend
 from holmes_lightning.planner import Plan, PlanOptions, Sharding, StagePlan, StepPrediction
-from holmes_lightning.runtime.environment import LAB_BANDWIDTH_SCALE_ENV
 from holmes_lightning.runtime.pipeline import ContractError
+from holmes_lightning.runtime.planning import step_collectives
 from holmes_lightning.runtime.preemption import HolmesCheckpoint
-from holmes_lightning.runtime.strategy import _lab_links, _step_collectives
 from holmes_lightning.topology import LinkKind, NICKind
-from holmes_lightning.validate import collective_backend
 
 SEED, GLOBAL_BATCH, STEPS_PER_EPOCH = 3, 16, 3
 ONE_RANK = {"name": "one_rank", "clusters": [{"name": "local", "nodes": 1, "nic": {"kind": "ethernet"}}]}
@@ -218,8 +217,10 @@ def test_batches_must_be_inputs_and_targets() -> None:
         ({"schedule": "ZBVZeroBubble"}, r"schedule='ZBVZeroBubble'\): use one of GPipe, 1F1B, Interleaved1F1B"),
         ({"sharding": "zero3"}, r"sharding='zero3'\): use one of auto, fsdp, none"),
         ({"layout": "megatron"}, r"layout='megatron'\): use one of holmes, nic_unaware, flat_fsdp"),
-        ({"pp": 0}, r"pp=0\): use a positive integer"),
-        ({"microbatches": 2.5}, r"microbatches=2.5\): use a positive integer"),
+        ({"pp": 0}, r"^HolmesStrategy\(pp=0\): use a positive number of stages"),
+        ({"global_batch": 8, "microbatches": 2.5}, r"^HolmesStrategy\(microbatches=2.5\): use a positive count"),
+        ({"microbatches": 2}, r"^HolmesStrategy\(microbatches=2\): also give global_batch="),
+        ({"global_batch": True}, r"^HolmesStrategy\(global_batch=True\): use a positive number of samples"),
     ],
 )
 def test_bad_arguments_fail_at_construction(arguments: dict[str, Any], message: str) -> None:
@@ -232,7 +233,7 @@ def test_plan_options_and_shorthands_reach_the_planner_as_one_object() -> None:
     strategy = HolmesStrategy(cluster="two_cluster_mixed", options=options, pp=2, sharding="none")
     assert strategy.options == replace(options, pp=2, sharding=Sharding.none)
     assert options.pp == 4, "the caller's options are not changed"
-    with pytest.raises(ValueError, match=r"HolmesStrategy\(schedule='ZB'\)"):
+    with pytest.raises(ValueError, match=r"^PlanOptions\(schedule='ZB'\): use one of"):  # where it was written
         HolmesStrategy(options=PlanOptions(schedule="ZB"))
 
 
@@ -259,11 +260,4 @@ def test_the_closing_collectives_timed_at_job_start_are_those_the_training_step_
     settings = dict(settings)
     callbacks = [HolmesCheckpoint(tmp_path)] if settings.pop("checkpoint", False) else []
     trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, callbacks=callbacks, **settings)
-    assert _step_collectives(trainer) == collectives
-
-
-def test_inside_the_lab_the_plan_is_made_for_the_lab_links(monkeypatch):
-    monkeypatch.delenv(LAB_BANDWIDTH_SCALE_ENV, raising=False)
-    assert _lab_links() == {}  # elsewhere: the links as configured
-    monkeypatch.setenv(LAB_BANDWIDTH_SCALE_ENV, "0.002")
-    assert _lab_links()["bandwidth_scale"] == 0.002
+    assert step_collectives(trainer) == collectives

@@ -272,14 +272,12 @@ def test_slowest_link_per_class_matches_every_pair(groups, pair_speeds, data):
             assert f"{a}<->{b}" in text
 
 
-def test_a_topology_at_a_link_scale_keeps_its_machines_and_scales_every_link():
+def test_a_measured_speed_may_name_its_own_pair_of_clusters():
+    """three_cluster: A-B and A-C are unlisted inter-cluster pairs, both `inter_cluster`; a speed measured for one
+    pair (`inter_cluster:A<->C`) sets that pair alone, the generic key the others, a listed pair's key its own."""
     topology = Topology.from_config("three_cluster")
-    scaled = topology.at_link_scale(0.01)
-    assert [(n.name, n.ranks, n.device_tflops) for n in scaled.nodes] == [
-        (n.name, n.ranks, n.device_tflops) for n in topology.nodes
-    ]
-    for a, b in [(0, 1), (0, 4), (4, 6), (6, 7)]:
-        assert scaled.link(a, b).gbps == pytest.approx(topology.link(a, b).gbps * 0.01)
-        assert scaled.link(a, b).kind == topology.link(a, b).kind
-    probed = Topology(topology.spec, {"rdma:A": 150.0})  # a probe's measured speed scales with the rest
-    assert probed.at_link_scale(0.01).link(0, 1).gbps == pytest.approx(1.5)
+    a, b, c = (topology.nic_groups()[i].ranks[0] for i in range(3))
+    probed = Topology(topology.spec, {"inter_cluster:A<->C": 3.0, "inter_cluster": 7.0})
+    assert (probed.link(a, c).gbps, probed.link(a, b).gbps) == (3.0, 7.0)
+    assert topology.link_class(a, c).measured_keys == ("inter_cluster:A<->C", "inter_cluster")
+    assert topology.link_class(a, a + 1).measured_keys == ("rdma:A",)

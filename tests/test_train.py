@@ -29,7 +29,7 @@ def run_train(*args: str, command: tuple[str, ...] = ("train.py",), timeout: int
     [
         ("model.n_layerz=3", 2, "Key 'n_layerz' not in 'ModelConfig'"),
         ("model.n_heads=3", 2, "model.d_model=128: must be a multiple of model.n_heads=3"),
-        ("strategy.schedule=Bogus", 2, "HolmesStrategy(schedule='Bogus'): use one of"),
+        ("strategy.schedule=Bogus", 2, "strategy.schedule=Bogus: Invalid value 'Bogus', expected one of"),
     ],
 )
 def test_bad_config_exits_cleanly_before_any_rank_starts(override, code, message, tmp_path):
@@ -94,5 +94,5 @@ def test_in_the_lab_the_job_is_planned_for_the_lab_links(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     printed = out.stdout + out.stderr  # the plan comes through Lightning's logger
-    assert "bandwidth_scale=0.0002 (the lab's links, $HOLMES_LAB_BANDWIDTH_SCALE)" in printed
+    assert "bandwidth_scale=1/5000 (lab.bandwidth_scale)" in printed  # the lab says so; the ranks plan on its links
     assert re.search(r"rdma 0\.04 Gb/s +tcp 0\.02 Gb/s", printed), printed[-3000:]

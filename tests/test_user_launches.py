@@ -24,7 +24,7 @@ EMULATION_LINE = "HolmesStrategy: 4 processes on this host play the 4 nodes of c
 LAUNCHERS = {
     "lightning": [sys.executable, SCRIPT],
     "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", SCRIPT],
-    "holmes-launch": [sys.executable, "-m", "holmes_lightning.launch", "cluster=two_cluster_mixed", "--"]
+    "holmes-launch": [sys.executable, "-m", "holmes_lightning.cli.launch", "cluster=two_cluster_mixed", "--"]
     + [sys.executable, SCRIPT],
 }
 

@@ -16,9 +16,9 @@ Holmes with auto and with uniform partition on the cluster with one slower NIC. 
 counts; warm-up steps are dropped; the median is reported, with the share of the machine's cores other work took
 meanwhile. Each run's plan is the planner's for the cluster the lab emulates (a device per rank at its share of the
 cores) and its prediction is for the run here, the ranks sharing the cores (`planner.sharing`): a rank's costs
-measured on this machine at the start of the run (`holmes_lightning.calibration`, kept in the run directory unless
-HOLMES_CALIBRATION_DIR says otherwise), every link at its configured speed x the bandwidth scale the lab shapes it
-with. `bench.trace=true` writes a torch profiler trace per rank of the first measured step. Writes <bench name>.md,
+measured on this machine at the start of the run (`holmes_lightning.measure.calibration`, kept in the run directory
+unless HOLMES_CALIBRATION_DIR says otherwise), every link at its configured speed x the bandwidth scale the lab shapes
+it with. `bench.trace=true` writes a torch profiler trace per rank of the first measured step. Writes <bench name>.md,
 .json and .png into the run directory (outputs/bench/<time>/) and prints the table.
 """
 
@@ -40,8 +40,8 @@ from holmes_lightning.bench.regime import derive, rederive
 from holmes_lightning.bench.regret import run_regret_bench
 from holmes_lightning.bench.report import draw, markdown, regime, write_json
 from holmes_lightning.bench.runner import measure_model, run_bench
-from holmes_lightning.calibration import CACHE_ENV
-from holmes_lightning.config import register_configs
+from holmes_lightning.cli.config import register_configs
+from holmes_lightning.measure.calibration import CACHE_ENV
 from holmes_lightning.topology import Topology, config_dir
 
 register_configs()
@@ -67,21 +67,24 @@ def run(config: BenchJobConfig, out_dir: Path) -> Path:
         print(table)
         print(f"bench: wrote {out_dir / 'regret.md'}, regret.json and regret.png")
         return out_dir / "regret.md"
-    derived = None
+    derived, assumed = None, config.strategy.machine_costs()
     if settings.match is not None:
         derived = derive(
-            hybrid, settings, requested=config.strategy, calibrate=lambda model: measure_model(hybrid, settings, model)
+            hybrid,
+            settings,
+            requested=config.strategy,
+            calibrate=lambda model: measure_model(hybrid, settings, model, assumed=assumed),
         )
         print(f"bench: {derived.describe()}", flush=True)
         # Measured again, longer: the derivation favours whichever candidate's measurement came out off in its favour
         longer = replace(settings, calibration_seconds=settings.match.calibration_seconds)
-        profile, remeasured = measure_model(hybrid, longer, derived.choice.model, fresh=True)
+        profile, remeasured = measure_model(hybrid, longer, derived.choice.model, assumed=assumed, fresh=True)
         derived = rederive(derived, hybrid, settings, requested=config.strategy, measured=(profile, remeasured))
         print(f"bench: derived again on those costs: {derived.describe()}", flush=True)
         settings = derived.settings(settings)
         measured = profile, derived.choice.calibration  # at the derived bandwidth scale
     else:
-        measured = measure_model(hybrid, settings, settings.model)
+        measured = measure_model(hybrid, settings, settings.model, assumed=assumed)
     results, context = run_bench(hybrid, settings, requested=config.strategy, out_dir=out_dir, measured=measured)
     model = settings.model
     context.update(

@@ -6,8 +6,7 @@ from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
 
-from holmes_lightning.config import ConfigError, ModelConfig
-from holmes_lightning.planner import PlanOptions
+from holmes_lightning.cli.config import ConfigError, ModelConfig, StrategyConfig
 from holmes_lightning.topology import shipped_cluster_names
 from holmes_lightning.topology.spec import ClusterSpec
 
@@ -80,11 +79,11 @@ class BenchSettings:
     shipped cluster config named in `variants`, measured, against the planner's choice; `bench.regret`).
     `match`: derive the model, global batch and bandwidth scale from a reference setting instead (`RegimeMatch`).
     `prediction_tolerance`: how far each run's predicted step may be from the measured one. `calibration_seconds`: how
-    long each distinct layer of the model is timed (`holmes_lightning.calibration`).
+    long each distinct layer of the model is timed (`holmes_lightning.measure.calibration`).
 
     `slow_cluster` runs its NIC at `slow_nic_gbps` in the unequal-clusters topology (auto vs uniform partition).
     `bandwidth_scale` None: chosen from this CPU as `lab.scale` does, once, for every variant. What Holmes plans
-    (degrees, schedule, sharding, `dp_overlap`) is the job config's `strategy` node, as for train.py.
+    (degrees, schedule, sharding; `costs.dp_overlap`) is the job config's `strategy` node, as for train.py.
     """
 
     name: str = "short"
@@ -142,7 +141,7 @@ class BenchJobConfig:
 
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
     bench: BenchSettings = field(default_factory=BenchSettings)
-    strategy: PlanOptions = field(default_factory=PlanOptions)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
     output_dir: str = "outputs/bench"
 
 

@@ -30,10 +30,10 @@ from holmes_lightning.bench.calibrate import gpt
 from holmes_lightning.bench.config import BenchSettings
 from holmes_lightning.bench.runner import rank_results, worker_command, write_spec
 from holmes_lightning.bench.variants import Variant
-from holmes_lightning.config import ModelConfig
+from holmes_lightning.cli.config import ModelConfig, StrategyConfig
+from holmes_lightning.launch.processes import launch
 from holmes_lightning.measure import profile_modules
-from holmes_lightning.planner import BatchSettings, ModelProfile, PlanOptions, Sharding, plan
-from holmes_lightning.processes import launch
+from holmes_lightning.planner import Backend, BatchSettings, ModelProfile, Sharding, best_plan
 from holmes_lightning.topology import Topology
 
 matplotlib.use("Agg")
@@ -89,11 +89,14 @@ def meta_profile(model: ModelConfig) -> ModelProfile:
 
 
 def plan_memory_variants(
-    hybrid: Topology, profile: ModelProfile, settings: BenchSettings, requested: PlanOptions
+    hybrid: Topology, profile: ModelProfile, settings: BenchSettings, requested: StrategyConfig
 ) -> list[Variant]:
-    batch = BatchSettings(settings.global_batch)
-    options = {name: replace(requested, backend="gloo", sharding=SHARDINGS[name]) for name in settings.variants}
-    return [Variant(name, "holmes", hybrid, plan(hybrid, profile, batch, options[name])) for name in settings.variants]
+    batch, costs, plain = BatchSettings(settings.global_batch), requested.machine_costs(), requested.settings()
+    options = {name: replace(plain, backend=Backend.gloo, sharding=SHARDINGS[name]) for name in settings.variants}
+    return [
+        Variant(name, "holmes", hybrid, best_plan(hybrid, profile, batch, options=options[name], costs=costs))
+        for name in settings.variants
+    ]
 
 
 def measure(variant: Variant, profile: ModelProfile, settings: BenchSettings, folder: Path) -> list[MemoryRow]:
@@ -190,7 +193,7 @@ def draw(path: Path, rows: list[MemoryRow]) -> None:
 
 
 def run_memory_bench(
-    hybrid: Topology, settings: BenchSettings, requested: PlanOptions, out_dir: Path
+    hybrid: Topology, settings: BenchSettings, requested: StrategyConfig, out_dir: Path
 ) -> tuple[list[MemoryRow], str]:
     """Plan and run every memory variant, write memory.md, memory.json and memory.png; returns the rows and table."""
     profile = meta_profile(settings.model)

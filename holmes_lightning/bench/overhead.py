@@ -30,8 +30,8 @@ from lightning.pytorch.callbacks import Callback
 from holmes_lightning.bench.calibrate import gpt
 from holmes_lightning.bench.config import BenchSettings
 from holmes_lightning.bench.worker import QUIET_TRAINER, StepTimer
-from holmes_lightning.calibration import CACHE_ENV
-from holmes_lightning.config import ModelConfig
+from holmes_lightning.cli.config import ModelConfig
+from holmes_lightning.measure.calibration import CACHE_ENV
 from holmes_lightning.recipes import ByteCorpusDataModule
 from holmes_lightning.runtime import HolmesStrategy
 

@@ -21,8 +21,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from holmes_lightning.config import ModelConfig  # noqa: E402
-from holmes_lightning.planner import BatchSettings, ModelProfile, plan  # noqa: E402
+from holmes_lightning.cli.config import ModelConfig  # noqa: E402
+from holmes_lightning.planner import BatchSettings, ModelProfile, best_plan  # noqa: E402
 from holmes_lightning.planner.search import SearchStats  # noqa: E402
 from holmes_lightning.topology import Topology  # noqa: E402
 
@@ -81,7 +81,7 @@ def time_planning(shape: Shape, gpus: int, repeats: int) -> Timing:
     for _ in range(repeats):
         stats = SearchStats()
         start = time.perf_counter()
-        chosen = plan(topology, profile, batch, stats=stats)
+        chosen = best_plan(topology, profile, batch, stats=stats)
         seconds.append(time.perf_counter() - start)
     return Timing(
         shape=shape.name,

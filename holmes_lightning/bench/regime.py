@@ -22,13 +22,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from holmes_lightning.bench.calibrate import LabCalibration
 from holmes_lightning.bench.config import BenchSettings, RegimeMatch
 from holmes_lightning.bench.variants import REFERENCE, Hardware, plan_alternatives, plan_variants
-from holmes_lightning.calibration import Calibration
-from holmes_lightning.config import ConfigError, ModelConfig
-from holmes_lightning.lab.plan import MAX_LAB_MBIT
+from holmes_lightning.cli.config import ConfigError, ModelConfig
+from holmes_lightning.lab.design import MAX_LAB_MBIT
 from holmes_lightning.lab.scale import fastest_link_gbps
-from holmes_lightning.planner import BatchSettings, ModelProfile, Plan, PlanOptions, StepPrediction
+from holmes_lightning.planner import BatchSettings, MachineCosts, ModelProfile, Plan, PlanOptions, StepPrediction
 from holmes_lightning.topology import Topology
 
 SHARES = ("compute_s", "dp_sync_s", "p2p_s", "bubble_s")  # of the homogeneous step, matched within a tolerance
@@ -64,11 +64,13 @@ class Reference:
 
     @classmethod
     def plan(cls, match: RegimeMatch) -> Reference:
-        """Plan the reference setting as `python -m holmes_lightning.plan` does by default."""
+        """Plan the reference setting as `python -m holmes_lightning.cli.plan` does by default."""
         topology = Topology.from_config(match.cluster)
         profile = ModelProfile.from_gpt(match.model)
         batch = BatchSettings(match.global_batch)
-        plans = plan_alternatives(topology, profile, batch, options=PlanOptions(), names=MATCHED_RUNS)
+        plans = plan_alternatives(
+            topology, profile, batch, options=PlanOptions(), costs=MachineCosts(), names=MATCHED_RUNS
+        )
         return cls(f"{match.model.name} on {topology.name}", match.global_batch, plans)
 
     @property
@@ -90,7 +92,7 @@ class Candidate:
 
     model: ModelConfig
     global_batch: int
-    calibration: Calibration
+    calibration: LabCalibration
     shares: dict[str, float]
     ratios: dict[str, float]
     step_s: float
@@ -156,7 +158,7 @@ def evaluate(
     model: ModelConfig,
     profile: ModelProfile,
     global_batch: int,
-    calibration: Calibration,
+    calibration: LabCalibration,
     requested: PlanOptions,
     reference: Reference,
 ) -> Candidate | None:
@@ -193,7 +195,7 @@ def derive(
     settings: BenchSettings,
     *,
     requested: PlanOptions,
-    calibrate: Callable[[ModelConfig], tuple[ModelProfile, Calibration]],
+    calibrate: Callable[[ModelConfig], tuple[ModelProfile, LabCalibration]],
     reference: Reference | None = None,
 ) -> Regime:
     """The lab job that reproduces `settings.match` best (see the module's docstring); `calibrate` profiles a model
@@ -217,7 +219,7 @@ def derive(
                         model=model,
                         profile=profile,
                         global_batch=global_batch,
-                        calibration=replace(measured, bandwidth_scale=scale, scale_reason="derived from bench.match"),
+                        calibration=measured.at_scale(scale, "derived from bench.match"),
                         requested=requested,
                         reference=reference,
                     )
@@ -253,7 +255,7 @@ def rederive(
     settings: BenchSettings,
     *,
     requested: PlanOptions,
-    measured: tuple[ModelProfile, Calibration],
+    measured: tuple[ModelProfile, LabCalibration],
 ) -> Regime:
     """`regime`'s model with its global batch and bandwidth scale derived again on `measured` costs."""
     model = regime.choice.model

@@ -27,12 +27,22 @@ from pathlib import Path
 
 import matplotlib
 
-from holmes_lightning.bench.calibrate import lab_topology
+from holmes_lightning.bench.calibrate import LabCalibration, lab_topology
 from holmes_lightning.bench.config import BenchSettings
 from holmes_lightning.bench.runner import launch_runs, measure_model, measured_steps
-from holmes_lightning.bench.variants import Variant, free_choice, lab_options, run_key
-from holmes_lightning.calibration import Calibration
-from holmes_lightning.planner import BatchSettings, ModelProfile, Plan, PlanError, PlanOptions, Sharding, plan
+from holmes_lightning.bench.variants import Variant, free_choice, on_gloo, run_key
+from holmes_lightning.cli.config import StrategyConfig
+from holmes_lightning.planner import (
+    BatchSettings,
+    MachineCosts,
+    ModelProfile,
+    PartitionRule,
+    Plan,
+    PlanError,
+    PlanOptions,
+    Sharding,
+    best_plan,
+)
 from holmes_lightning.planner.layout import dp_degrees
 from holmes_lightning.topology import Topology
 
@@ -41,7 +51,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 REGRET_TARGET = 0.05
 SPEARMAN_TARGET = 0.9
-PARTITIONS = ("auto", "uniform")
+PARTITIONS = tuple(PartitionRule)
 CHOICE = "planner's choice"
 
 
@@ -64,7 +74,7 @@ class ClusterRegret:
 
     cluster: str
     rows: tuple[Row, ...]
-    calibration: dict
+    calibration: LabCalibration
     foreign_load: float
     wall_s: float = 0.0
 
@@ -121,7 +131,7 @@ def describe(plan_: Plan) -> str:
 
 
 def configurations(
-    lab: Topology, profile: ModelProfile, *, global_batch: int, options: PlanOptions
+    lab: Topology, profile: ModelProfile, *, global_batch: int, options: PlanOptions, costs: MachineCosts
 ) -> tuple[dict[str, Plan], str]:
     """Every feasible configuration's plan by name (one name per distinct plan), and the name of the planner's free
     choice among them."""
@@ -134,7 +144,8 @@ def configurations(
                 for partition in PARTITIONS:
                     request = replace(options, pp=lab.world_size // dp, dp=dp, partition=partition, sharding=sharding)
                     try:
-                        planned = plan(lab, profile, BatchSettings(global_batch, microbatches), request)
+                        batch = BatchSettings(global_batch, microbatches)
+                        planned = best_plan(lab, profile, batch, options=request, costs=costs)
                     except PlanError:  # the schedule needs more micro-batches, or more layers than the model has
                         continue
                     name = f"pp{planned.pp} dp{dp} mb{microbatches} {sharding} {partition}"
@@ -142,19 +153,25 @@ def configurations(
                     if key in found:  # auto found the uniform split: one run, both names
                         name = f"{found[key][0]}={partition}"
                     found[key] = (name, planned)
-    chosen = plan(lab, profile, BatchSettings(global_batch), free_choice(options))
+    chosen = best_plan(lab, profile, BatchSettings(global_batch), options=free_choice(options), costs=costs)
     if run_key(chosen) not in found:
         found[run_key(chosen)] = (CHOICE, chosen)
     return {name: planned for name, planned in found.values()}, found[run_key(chosen)][0]
 
 
-def measure_cluster(cluster: str, *, settings: BenchSettings, requested: PlanOptions, out_dir: Path) -> ClusterRegret:
+def measure_cluster(
+    cluster: str, *, settings: BenchSettings, requested: StrategyConfig, out_dir: Path
+) -> ClusterRegret:
     """Calibrate for this cluster's rank count, plan every configuration, run them all in one launch."""
     topology = Topology.from_config(cluster)
-    profile, calibration = measure_model(topology, settings, settings.model)
-    lab = lab_topology(topology, calibration.bandwidth_scale, calibration.device_tflops)
+    profile, calibration = measure_model(topology, settings, settings.model, assumed=requested.machine_costs())
+    lab = lab_topology(topology, calibration.bandwidth_scale, calibration.calibration.device_tflops)
     plans, chosen = configurations(
-        lab, profile, global_batch=settings.global_batch, options=lab_options(requested, calibration)
+        lab,
+        profile,
+        global_batch=settings.global_batch,
+        options=on_gloo(requested),
+        costs=calibration.calibration.costs,
     )
     runs = [Variant(name=name, strategy="holmes", topology=topology, plan=planned) for name, planned in plans.items()]
     random.Random(0).shuffle(runs)
@@ -180,7 +197,7 @@ def measure_cluster(cluster: str, *, settings: BenchSettings, requested: PlanOpt
     return ClusterRegret(
         cluster=cluster,
         rows=tuple(rows),
-        calibration=asdict(calibration),
+        calibration=calibration,
         foreign_load=launched.foreign_load,
         wall_s=time.monotonic() - start,
     )
@@ -208,12 +225,11 @@ def markdown(results: list[ClusterRegret], settings: BenchSettings) -> str:
             f"{'met' if result.met else 'NOT met'} |"
         )
     for result in results:
-        cal = Calibration(**result.calibration)
         lines += [
             "",
             f"## {result.cluster}",
             "",
-            f"Cost model per rank: {cal.describe()}.",
+            f"Cost model per rank: {result.calibration.describe()}.",
             "",
             "| configuration | layout | predicted s | measured s (median) | predicted / measured | rank predicted | "
             "rank measured |",
@@ -250,7 +266,7 @@ def draw(path: Path, results: list[ClusterRegret]) -> None:
     plt.close(fig)
 
 
-def run_regret_bench(settings: BenchSettings, requested: PlanOptions, out_dir: Path) -> tuple[list, str]:
+def run_regret_bench(settings: BenchSettings, requested: StrategyConfig, out_dir: Path) -> tuple[list, str]:
     """Measure every cluster's configurations; write regret.md, regret.json and regret.png; returns results, table."""
     results = [
         measure_cluster(cluster, settings=settings, requested=requested, out_dir=out_dir)
@@ -266,6 +282,7 @@ def run_regret_bench(settings: BenchSettings, requested: PlanOptions, out_dir: P
         "clusters": [
             {
                 **asdict(result),
+                "calibration": result.calibration.record(),
                 "choice": result.choice.name,
                 "choice_rank": result.choice_rank,
                 "regret": result.regret,

@@ -14,7 +14,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 from holmes_lightning.bench.regime import SHARES, Regime, communication_share, ratios, shares  # noqa: E402
 from holmes_lightning.bench.runner import RunResult  # noqa: E402
 from holmes_lightning.bench.variants import LABELS, REFERENCE, Variant, run_key  # noqa: E402
-from holmes_lightning.calibration import Calibration  # noqa: E402
 from holmes_lightning.planner import ModelProfile  # noqa: E402
 
 MB = 1e6
@@ -176,7 +175,7 @@ def markdown(results: list[RunResult], context: dict, check: dict) -> str:
         f"# holmes-lightning benchmark: {context['bench']}",
         "",
         f"Model {context['model']}, global batch {context['global_batch']} sequences, {context['steps']}; "
-        f"cost model per rank: {Calibration(**context['calibration']).describe()}.",
+        f"cost model per rank: {context['calibration'].describe()}.",
         "",
         format_regime(check),
         "",
@@ -266,7 +265,7 @@ def write_json(path: Path, results: list[RunResult], *, context: dict, check: di
         "bench": context["bench"],
         "model": context["model"],
         "global_batch": context["global_batch"],
-        "calibration": context["calibration"],
+        "calibration": context["calibration"].record(),
         "regime": check,
         "runs": [asdict(r) for r in results],
         "plans": {v.name: json.loads(v.plan.to_json()) for v in context["variants"]},

@@ -10,14 +10,13 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from holmes_lightning.bench.calibrate import calibrate, profile_gpt
+from holmes_lightning.bench.calibrate import LabCalibration, calibrate, profile_gpt
 from holmes_lightning.bench.config import BenchSettings
 from holmes_lightning.bench.load import CpuClock
 from holmes_lightning.bench.variants import Hardware, Variant, plan_variants
-from holmes_lightning.calibration import Calibration
-from holmes_lightning.config import LabConfig, ModelConfig
-from holmes_lightning.launch import start_ranks
-from holmes_lightning.planner import ModelProfile, PlanOptions
+from holmes_lightning.cli.config import LabConfig, ModelConfig
+from holmes_lightning.cli.launch import start_ranks
+from holmes_lightning.planner import MachineCosts, ModelProfile, PlanOptions
 from holmes_lightning.topology import Topology
 
 
@@ -129,13 +128,19 @@ def summarize(
 
 
 def measure_model(
-    hybrid: Topology, settings: BenchSettings, model: ModelConfig, *, fresh: bool = False
-) -> tuple[ModelProfile, Calibration]:
-    """`model`'s profile and a lab rank's costs for it, measured here (at `settings.bandwidth_scale`, or this CPU's);
-    `fresh`: measured again even if cached."""
+    hybrid: Topology, settings: BenchSettings, model: ModelConfig, *, assumed: MachineCosts, fresh: bool = False
+) -> tuple[ModelProfile, LabCalibration]:
+    """`model`'s profile and a lab rank's costs for it, measured here (at `settings.bandwidth_scale`, or this CPU's;
+    `assumed`: what is not measured); `fresh`: measured again even if cached."""
     profile = profile_gpt(model)
     calibration = calibrate(
-        hybrid, profile, model, seconds=settings.calibration_seconds, scale=settings.bandwidth_scale, fresh=fresh
+        hybrid,
+        profile,
+        model,
+        seconds=settings.calibration_seconds,
+        scale=settings.bandwidth_scale,
+        assumed=assumed,
+        fresh=fresh,
     )
     print(f"bench: calibrated {model.name}: {calibration.describe()}", flush=True)
     return profile, calibration
@@ -147,7 +152,7 @@ def run_bench(
     *,
     requested: PlanOptions,
     out_dir: Path,
-    measured: tuple[ModelProfile, Calibration],
+    measured: tuple[ModelProfile, LabCalibration],
 ) -> tuple[list[RunResult], dict]:
     """Plan every variant for the `measured` model and rank costs, run each in the lab; returns the results and the
     run's context for the report."""
@@ -175,5 +180,5 @@ def run_bench(
             f"{results[-1].foreign_load:.0%} of the cores",
             flush=True,
         )
-    context = {"calibration": asdict(calibration), "profile": profile, "variants": variants}
+    context = {"calibration": calibration, "profile": profile, "variants": variants}
     return results, context

@@ -5,18 +5,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from holmes_lightning.bench.calibrate import lab_topology, with_slow_cluster
+from holmes_lightning.bench.calibrate import LabCalibration, lab_topology, with_slow_cluster
 from holmes_lightning.bench.config import FREE_CHOICE, BenchSettings
-from holmes_lightning.calibration import Calibration
+from holmes_lightning.measure.calibration import Calibration
 from holmes_lightning.planner import (
+    Backend,
     BatchSettings,
+    LayoutKind,
+    MachineCosts,
     ModelProfile,
+    PartitionRule,
     Plan,
     PlanOptions,
     Sharding,
-    compare,
+    best_plan,
+    compare_plans,
     on_shared_cores,
-    plan,
 )
 from holmes_lightning.topology import Topology
 
@@ -60,20 +64,26 @@ class Hardware:
     hybrid: Topology
     homogeneous: Topology
     unequal: Topology
-    calibration: Calibration
+    calibration: LabCalibration
 
     @classmethod
-    def derive(cls, hybrid: Topology, settings: BenchSettings, calibration: Calibration) -> Hardware:
+    def derive(cls, hybrid: Topology, settings: BenchSettings, calibration: LabCalibration) -> Hardware:
         unequal = with_slow_cluster(hybrid, settings.slow_cluster, settings.slow_nic_gbps)
         return cls(hybrid, hybrid.homogeneous(), unequal, calibration)
 
     def lab(self, topology: Topology) -> Topology:
-        return lab_topology(topology, self.calibration.bandwidth_scale, self.calibration.device_tflops)
+        measured = self.calibration
+        return lab_topology(topology, measured.bandwidth_scale, measured.calibration.device_tflops)
+
+    @property
+    def costs(self) -> MachineCosts:
+        """What a lab rank costs the cost model (compute as the lab topology's device speed)."""
+        return self.calibration.calibration.costs
 
 
-def lab_options(requested: PlanOptions, calibration: Calibration) -> PlanOptions:
-    """What the planner plans the lab's runs with: gloo, and a rank's costs as calibrated."""
-    return calibration.plan_options(replace(requested, backend="gloo"))
+def on_gloo(requested: PlanOptions) -> PlanOptions:
+    """What the planner plans the lab's runs with: `requested`, on gloo."""
+    return replace(requested.settings(), backend=Backend.gloo)
 
 
 def run_key(planned: Plan) -> tuple:
@@ -84,7 +94,7 @@ def run_key(planned: Plan) -> tuple:
 
 def free_choice(options: PlanOptions) -> PlanOptions:
     """`options` with nothing pinned that the planner chooses: degrees, partition, sharding."""
-    return replace(options, pp=None, dp=None, partition="auto", sharding=Sharding.auto)
+    return replace(options, pp=None, dp=None, partition=PartitionRule.auto, sharding=Sharding.auto)
 
 
 def plan_alternatives(
@@ -93,6 +103,7 @@ def plan_alternatives(
     batch: BatchSettings,
     *,
     options: PlanOptions,
+    costs: MachineCosts,
     names: Sequence[str] = HYBRID_RUNS,
 ) -> dict[str, Plan]:
     """Holmes' plan for the hybrid cluster and the alternatives the bench runs on it (`names` of `HYBRID_RUNS`).
@@ -102,7 +113,7 @@ def plan_alternatives(
     """
     plans: dict[str, Plan] = {}
     if set(names) & {"holmes_hybrid", "holmes_homogeneous", "nic_unaware", "fsdp"}:
-        compared = compare(hybrid, profile, batch, options)
+        compared = compare_plans(hybrid, profile, batch, options=options, costs=costs)
         missing = [name for name in ("homogeneous", "nic_unaware", "flat_fsdp") if name not in compared]
         if missing:
             raise ValueError(f"bench: {'; '.join(compared['holmes'].notes)}")
@@ -113,10 +124,10 @@ def plan_alternatives(
             fsdp=compared["flat_fsdp"],
         )
     if "ddp" in names:
-        replicas = replace(options, layout="flat_fsdp", sharding=Sharding.none, pp=None)
-        plans["ddp"] = plan(hybrid, profile, batch, replicas)
+        replicas = replace(options, layout=LayoutKind.flat_fsdp, sharding=Sharding.none, pp=None)
+        plans["ddp"] = best_plan(hybrid, profile, batch, options=replicas, costs=costs)
     if FREE_CHOICE in names:
-        plans[FREE_CHOICE] = plan(hybrid, profile, batch, free_choice(options))
+        plans[FREE_CHOICE] = best_plan(hybrid, profile, batch, options=free_choice(options), costs=costs)
     return {name: plans[name] for name in names}
 
 
@@ -126,13 +137,16 @@ def plan_variants(
     """Every requested variant with the plan the planner makes for it on the cluster the lab emulates (a device per
     rank, each at its share of this machine's cores), predicted as it runs here (the ranks share the cores)."""
     batch = BatchSettings(settings.global_batch)
-    measured = hardware.calibration
-    hardware = replace(hardware, calibration=measured.as_devices(hardware.hybrid.world_size))
-    options = lab_options(requested, hardware.calibration)
+    measured = hardware.calibration.calibration
+    devices = measured.as_devices(hardware.hybrid.world_size)
+    hardware = replace(hardware, calibration=replace(hardware.calibration, calibration=devices))
+    options, costs = on_gloo(requested), hardware.costs
     hybrid_runs = [name for name in settings.variants if name in HYBRID_RUNS]
-    plans = plan_alternatives(hardware.lab(hardware.hybrid), profile, batch, options=options, names=hybrid_runs)
+    plans = plan_alternatives(
+        hardware.lab(hardware.hybrid), profile, batch, options=options, costs=costs, names=hybrid_runs
+    )
     if set(settings.variants) & set(UNEQUAL_RUNS):
-        unequal = compare(hardware.lab(hardware.unequal), profile, batch, options)
+        unequal = compare_plans(hardware.lab(hardware.unequal), profile, batch, options=options, costs=costs)
         plans.update(holmes_unequal=unequal["holmes"], uniform_unequal=unequal["uniform"])
     networks = {"holmes_homogeneous": hardware.homogeneous, **dict.fromkeys(UNEQUAL_RUNS, hardware.unequal)}
     return [
@@ -140,7 +154,7 @@ def plan_variants(
             name=name,
             strategy=name if name in LIGHTNING_STRATEGIES else "holmes",
             topology=networks.get(name, hardware.hybrid),
-            plan=_as_run_here(plans[name], profile, measured, hardware.calibration),
+            plan=_as_run_here(plans[name], profile, measured, devices),
         )
         for name in settings.variants
     ]
@@ -148,12 +162,13 @@ def plan_variants(
 
 def _as_run_here(planned: Plan, profile: ModelProfile, measured: Calibration, devices: Calibration) -> Plan:
     """`planned` (for a device per rank) predicted with the ranks sharing this machine's cores, as the lab runs it."""
-    if measured.shared_cores is None:
+    cores = measured.costs.shared_cores
+    if cores is None:
         return planned
     return on_shared_cores(
         planned,
         profile,
-        cores=measured.shared_cores,
+        cores=cores,
         share=devices.share / measured.share,
         transfer_cpu_s_per_byte=measured.transfer_cpu_s_per_byte,
     )

@@ -24,7 +24,7 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Str
 from torch.distributed.fsdp import fully_shard
 
 from holmes_lightning.bench.calibrate import gpt
-from holmes_lightning.config import ModelConfig
+from holmes_lightning.cli.config import ModelConfig
 from holmes_lightning.measure import peak_resident_bytes, resident_bytes
 from holmes_lightning.planner import Plan
 from holmes_lightning.recipes import ByteCorpusDataModule

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from holmes_lightning.lab.design import NAMESPACE_PATTERN
 from holmes_lightning.lab.network import NETNS_ETC, list_namespaces, remove_namespaces, unavailable_reason
-from holmes_lightning.lab.plan import NAMESPACE_PATTERN
 
 
 def _alive(pid: int) -> bool:

@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from holmes_lightning.lab.plan import FABRIC_NET, EgressClass, LabNode, LabPlan
+from holmes_lightning.lab.design import FABRIC_NET, EgressClass, LabNetwork, LabNode
 
 MTU = 9000  # jumbo frames, as RDMA fabrics and data-centre Ethernet use: headers cost 0.7%, not 4%
 QUEUE_FRAMES, QUEUE_S = 48, 0.010
@@ -99,10 +99,10 @@ def _egress_commands(egress: tuple[EgressClass, ...]) -> list[str]:
     return commands
 
 
-def _hosts_file(plan: LabPlan) -> str:
+def _hosts_file(network: LabNetwork) -> str:
     """Node names resolve to lab addresses inside the lab (and reverse lookups answer at once, without DNS)."""
     lines = [f"127.0.0.1 localhost {socket.gethostname()}", "::1 localhost"]
-    for node in plan.nodes:
+    for node in network.nodes:
         for address, name in ((node.ethernet, node.name), (node.fabric, f"{node.name}-fabric")):
             if address:  # also as IPv4-mapped IPv6, the form c10d's store server looks up
                 lines.extend([f"{address} {name}", f"::ffff:{address} {name}"])
@@ -124,21 +124,21 @@ def _node_commands(node: LabNode) -> list[str]:
     return commands
 
 
-def build_network(plan: LabPlan) -> None:
+def build_network(network: LabNetwork) -> None:
     """Create the namespaces, veths, bridge, addresses and egress shaping of `plan` (remove with `remove_namespaces`).
 
     Raises LabUnavailable when the first namespace cannot be created, LabError when a later step fails.
     """
-    _add_namespace(plan.bridge)
+    _add_namespace(network.bridge)
     bridge = ["link set lo up", "link add br0 type bridge forward_delay 0 stp_state 0", "link set br0 up"]
-    for node in plan.nodes:
+    for node in network.nodes:
         _add_namespace(node.namespace)
         port = f"n{node.index}"
         bridge.append(f"link add {port} mtu {MTU} type veth peer name {DEVICE} netns {node.namespace}")
         bridge.extend([f"link set {port} master br0", f"link set {port} up"])
-    _run(["ip", "-n", plan.bridge, "-batch", "-"], bridge)
-    hosts = _hosts_file(plan)
-    for node in plan.nodes:
+    _run(["ip", "-n", network.bridge, "-batch", "-"], bridge)
+    hosts = _hosts_file(network)
+    for node in network.nodes:
         _run(["ip", "-n", node.namespace, "-batch", "-"], _node_commands(node))
         _run(["tc", "-n", node.namespace, "-batch", "-"], _egress_commands(node.egress))
         (NETNS_ETC / node.namespace).mkdir(parents=True, exist_ok=True)

@@ -8,29 +8,30 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+from holmes_lightning.lab.design import LabNetwork, describe, design_network, emulated_topology, format_scale
 from holmes_lightning.lab.network import DEVICE, LabUnavailable, build_network, remove_namespaces, unavailable_reason
-from holmes_lightning.lab.plan import LabPlan, describe, format_scale, plan_lab
 from holmes_lightning.lab.scale import default_bandwidth_scale
-from holmes_lightning.processes import launch
-from holmes_lightning.runtime.environment import FABRIC_ADDRESS_ENV, LAB_BANDWIDTH_SCALE_ENV, NODE_ADDRESS_ENV
+from holmes_lightning.launch.processes import launch
+from holmes_lightning.runtime.environment import FABRIC_ADDRESS_ENV, NODE_ADDRESS_ENV
 from holmes_lightning.topology import Topology
 
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # Ctrl-C already raises KeyboardInterrupt
+LAB_BANDWIDTH_SCALE_ENV = "HOLMES_LAB_BANDWIDTH_SCALE"  # the scale the lab runs every link at (the probe reads it)
 
 
-def node_env(plan: LabPlan, node: int) -> dict[str, str]:
+def node_env(network: LabNetwork, node: int) -> dict[str, str]:
     """What a rank on `node` needs: its two addresses, gloo's default device on eth0, and the scale in use."""
-    lab_node = plan.nodes[node]
+    lab_node = network.nodes[node]
     return {
         NODE_ADDRESS_ENV: lab_node.ethernet,
         FABRIC_ADDRESS_ENV: lab_node.fabric or "",  # empty: no RDMA NIC, the environment falls back to the node's
         "GLOO_SOCKET_IFNAME": DEVICE,  # the world group listens on the Ethernet address (eth0's first)
-        LAB_BANDWIDTH_SCALE_ENV: repr(plan.bandwidth_scale),
+        LAB_BANDWIDTH_SCALE_ENV: repr(network.bandwidth_scale),
     }
 
 
 @contextmanager
-def _torn_down(plan: LabPlan) -> Iterator[None]:
+def _torn_down(network: LabNetwork) -> Iterator[None]:
     """SIGTERM/SIGHUP end the run like Ctrl-C does; on any exit the namespaces go, stop signals held back meanwhile."""
 
     def stop(signum: int, _frame: object) -> None:
@@ -44,7 +45,7 @@ def _torn_down(plan: LabPlan) -> Iterator[None]:
         if in_main_thread:
             blocked = signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, *EXIT_SIGNALS))
         try:
-            remove_namespaces(plan.namespaces)
+            remove_namespaces(network.namespaces)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, signal.SIG_DFL if handler is None else handler)
@@ -62,21 +63,22 @@ def run_in_lab(topology: Topology, command: Sequence[str], bandwidth_scale: floa
     if reason is None:
         chosen = bandwidth_scale is not None
         scale, why = (bandwidth_scale, "lab.bandwidth_scale") if chosen else default_bandwidth_scale(topology)
-        plan = plan_lab(topology, scale)
+        network = design_network(topology, scale)
         try:
-            with _torn_down(plan):
-                build_network(plan)
+            with _torn_down(network):
+                build_network(network)
                 print(
-                    f"holmes lab: {len(plan.nodes)} nodes of {topology.name!r} in namespaces {plan.bridge[:-2]}*, "
-                    f"bandwidth_scale={format_scale(scale)} ({why})\n{describe(plan)}",
+                    f"holmes lab: {len(network.nodes)} nodes of {topology.name!r} in namespaces "
+                    f"{network.bridge[:-2]}*, "
+                    f"bandwidth_scale={format_scale(scale)} ({why})\n{describe(network)}",
                     flush=True,
                 )
                 return launch(
                     command,
-                    topology,
-                    master_addr=plan.nodes[0].ethernet,
-                    node_prefix=lambda node: ["ip", "netns", "exec", plan.nodes[node].namespace],
-                    node_env=lambda node: node_env(plan, node),
+                    emulated_topology(topology, scale),
+                    master_addr=network.nodes[0].ethernet,
+                    node_prefix=lambda node: ["ip", "netns", "exec", network.nodes[node].namespace],
+                    node_env=lambda node: node_env(network, node),
                 )
         except LabUnavailable as err:
             reason = str(err)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from holmes_lightning.lab.plan import MAX_LAB_MBIT, format_scale
+from holmes_lightning.lab.design import MAX_LAB_MBIT, format_scale
 from holmes_lightning.measure import available_cores, cpu_rank_gflops
 from holmes_lightning.topology import Topology
 

@@ -1,28 +1,43 @@
-"""The Holmes planner: pure Python over plain data (a Topology and a ModelProfile in, a Plan out)."""
+"""The Holmes planner: pure Python over plain data (a Topology, a ModelProfile, what the user asks for and what the
+machine costs in; a Plan out)."""
 
-from holmes_lightning.planner.cost import CostModel
-from holmes_lightning.planner.plan_types import Plan, Sharding, StagePlan, StepPrediction
-from holmes_lightning.planner.planner import BatchSettings, PlanError, PlanOptions, compare, on_shared_cores, plan
+from holmes_lightning.planner.choice import PlanError, best_plan, compare_plans, on_shared_cores
+from holmes_lightning.planner.cost import CostModel, MachineCosts
+from holmes_lightning.planner.options import (
+    Backend,
+    BatchSettings,
+    LayoutKind,
+    PartitionRule,
+    PlanOptions,
+    Schedule,
+    SettingError,
+    Sharding,
+)
+from holmes_lightning.planner.plan_types import Plan, StagePlan, StepPrediction
 from holmes_lightning.planner.profile import LayerProfile, ModelProfile
-from holmes_lightning.planner.schedules import SCHEDULES
 from holmes_lightning.planner.simulate import Block, Timeline, simulate
 
 __all__ = [
-    "SCHEDULES",
+    "Backend",
     "BatchSettings",
     "Block",
     "CostModel",
     "LayerProfile",
+    "LayoutKind",
+    "MachineCosts",
     "ModelProfile",
+    "PartitionRule",
     "Plan",
     "PlanError",
     "PlanOptions",
+    "Schedule",
+    "SettingError",
     "Sharding",
     "StagePlan",
     "StepPrediction",
     "Timeline",
-    "compare",
+    "best_plan",
+    "compare_plans",
     "on_shared_cores",
-    "plan",
     "simulate",
 ]

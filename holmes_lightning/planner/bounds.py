@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 
+from holmes_lightning.planner.options import Schedule
 from holmes_lightning.planner.schedules import Action
 from holmes_lightning.planner.simulate import Replay
 
@@ -146,7 +147,7 @@ class PathShapes:
 
     @classmethod
     @cache
-    def of(cls, schedule: str, pp: int, microbatches: int, chunks: int) -> PathShapes:
+    def of(cls, schedule: Schedule, pp: int, microbatches: int, chunks: int) -> PathShapes:
         orders = Replay.of(schedule, pp, microbatches, chunks).orders
         chunk_orders = [
             [action for action in orders[virtual % pp] if action.chunk == virtual // pp]

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from holmes_lightning.planner.bounds import PathShapes
 from holmes_lightning.planner.cost import CostModel
 from holmes_lightning.planner.layout import Layout, StageHardware
+from holmes_lightning.planner.options import Backend, Schedule
 from holmes_lightning.planner.plan_types import StagePlan, StepPrediction, locate_virtual, virtual_stage
 from holmes_lightning.planner.profile import ModelProfile
 from holmes_lightning.planner.schedules import peak_stash
@@ -40,7 +41,7 @@ class Candidate:
     layout: Layout
     hardware: StageHardware
     cost: CostModel
-    schedule: str
+    schedule: Schedule
     chunks: int
     microbatches: int
     microbatch_size: int
@@ -51,7 +52,7 @@ class Candidate:
         pp, layers, mb = self.layout.pp, self.cost.profile.layers, self.microbatch_size
         self.virtual = pp * self.chunks
         self.replay = Replay.of(self.schedule, pp, self.microbatches, self.chunks)
-        cores = self.cost.shared_cores
+        cores = self.cost.machine.shared_cores
         self.sharing = None if cores is None else CoreSharing(cores, self.layout.dp)
         # the optimizer step (and a pass without pipeline) runs while every rank computes
         self.all_busy = 1.0 if self.sharing is None else self.sharing.all_busy(pp)
@@ -254,23 +255,32 @@ class Candidate:
 
     def predict(self, stages: list[StagePlan]) -> StepPrediction:
         m, size, cost = self.microbatches, self.microbatch_size, self.cost
-        return predict_step(stages, self.schedule, m, size, cost.profile, cost.shared_cores, cost.backend)
+        return predict_step(
+            stages,
+            schedule=self.schedule,
+            microbatches=m,
+            microbatch_size=size,
+            profile=cost.profile,
+            shared_cores=cost.machine.shared_cores,
+            backend=cost.backend,
+        )
 
 
 def predict_step(
     stages: Sequence[StagePlan],
-    schedule: str,
+    *,
+    schedule: Schedule,
     microbatches: int,
     microbatch_size: int,
     profile: ModelProfile,
     shared_cores: float | None,
-    backend: str,
+    backend: Backend,
 ) -> StepPrediction:
     """Simulate the step and split the stage that finishes last into compute, sync, transfers and bubble."""
     m, dp = microbatches, len(stages[0].ranks)
-    timeline = simulate(stages, schedule, m, shared_cores, backend)
+    timeline = simulate(stages, schedule, m, shared_cores=shared_cores, backend=backend)
     silent = [replace(s, send_s=tuple(0.0 for _ in s.send_s), early_s=()) for s in stages]
-    no_transfers = simulate(silent, schedule, m, shared_cores, backend)
+    no_transfers = simulate(silent, schedule, m, shared_cores=shared_cores, backend=backend)
     total = timeline.total_s
     last = max(range(len(stages)), key=lambda s: timeline.stage_end_s[s])
     compute = sum(b.end - b.start for b in timeline.stage_blocks(last) if b.kind in ("forward", "backward"))

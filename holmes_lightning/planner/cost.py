@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 
+from holmes_lightning.planner.options import Backend, Check, check_fields
 from holmes_lightning.planner.plan_types import Sharding, reshards_after_forward
 from holmes_lightning.planner.profile import ModelProfile
 from holmes_lightning.topology import Link, Topology
@@ -16,24 +17,82 @@ BUCKET_BYTES = 25 * 2**20  # gradients per all-reduce of pipelined replicas (DDP
 # extra memory); `runtime.sharding.average_gradients` buckets by it
 
 
-def sync_passes(sharding: Sharding, backend: str, *, pipelined: bool) -> int:
+def sync_passes(sharding: Sharding, backend: Backend, *, pipelined: bool) -> int:
     """How many times a step's DP sync moves (n-1)/n of a stage's parameter bytes out of each of its n ranks: FSDP's
     all-gathers (one pipelined, two without) and reduce-scatter (a whole all-reduce, two, on gloo); replicas'
     all-reduce (two)."""
     if sharding is not Sharding.fsdp:
         return 2
-    return (2 if reshards_after_forward(pipelined=pipelined) else 1) + (2 if backend == "gloo" else 1)
+    return (2 if reshards_after_forward(pipelined=pipelined) else 1) + (2 if backend == Backend.gloo else 1)
 
 
-def sync_bytes(sharding: Sharding, backend: str, group_size: int, param_bytes: float, *, pipelined: bool) -> float:
+def sync_bytes(sharding: Sharding, backend: Backend, group_size: int, param_bytes: float, *, pipelined: bool) -> float:
     """Bytes each rank of a DP group of `group_size` sends in a step's sync for a stage holding `param_bytes`."""
     n = group_size
     return sync_passes(sharding, backend, pipelined=pipelined) * (n - 1) / n * param_bytes
 
 
+NON_NEGATIVE: Check = (lambda value: value >= 0, "use seconds >= 0")
+OPTIONAL_NON_NEGATIVE: Check = (lambda value: value is None or value >= 0, "use seconds >= 0, or None: not measured")
+
+
+def _cost(default: float | None, check: Check = NON_NEGATIVE, *, compute: bool = False) -> float | None:
+    """A `MachineCosts` field: its default, what its values must satisfy, and whether it is compute time (a device
+    `slowed` by a factor takes that much longer for it)."""
+    return field(default=default, metadata={"check": check, "compute": compute})
+
+
+@dataclass(frozen=True)
+class MachineCosts:
+    """What the machine costs the cost model: measured on the job's model at its start (`HolmesStrategy(calibrate=
+    True)`, `measure.calibration`), else assumed (these defaults, or the `costs` the user gives).
+
+    efficiency: fraction of the device's peak TFLOPS layers reach. layer_overhead_s: seconds each layer adds to every
+    micro-batch whatever its size (kernel launches, framework hooks), so more micro-batches are not free.
+    optimizer_s_per_gb: optimizer step seconds per GB of parameters a rank holds. latency_s: seconds every message
+    adds whatever its size (a pipeline transfer, each step of a ring collective). fsdp_layer_s / fsdp_reshard_layer_s:
+    FSDP2's hooks per layer and micro-batch with the weights kept gathered (a pipeline) / freed after forward (pp=1);
+    fsdp_optimizer_layer_s: what DTensor parameters add to the optimizer step per layer. dp_overlap: fraction of the
+    DP sync hidden under the computation without a pipeline (assumed, not measured). shared_cores: every rank
+    computes on this many CPU cores of one machine (None: each rank on its own device). closing_s: seconds a
+    pipelined step spends after its schedule in small collectives over every rank (None: the loss's all-reduce at
+    latency_s). message_cpu_s: CPU seconds both ends of a pipeline message spend on it, which ranks sharing cores
+    lose for computing. See `CostModel` for how each enters the step.
+    """
+
+    efficiency: float = _cost(0.5, (lambda value: 0 < value <= 1, "use a fraction of peak in (0, 1]"))
+    layer_overhead_s: float = _cost(0.0, compute=True)
+    optimizer_s_per_gb: float = _cost(0.0, compute=True)
+    latency_s: float = _cost(0.0)
+    fsdp_layer_s: float = _cost(0.0, compute=True)
+    fsdp_reshard_layer_s: float = _cost(0.0, compute=True)
+    fsdp_optimizer_layer_s: float = _cost(0.0, compute=True)
+    dp_overlap: float = _cost(0.5, (lambda value: 0 <= value <= 1, "use a fraction in [0, 1]"))
+    shared_cores: float | None = _cost(
+        None, (lambda value: value is None or value > 0, "use the machine's core count, or None (a device per rank)")
+    )
+    closing_s: float | None = _cost(None, OPTIONAL_NON_NEGATIVE)
+    message_cpu_s: float = _cost(0.0)
+
+    def __post_init__(self) -> None:
+        check_fields(self, {f.name: f.metadata["check"] for f in fields(self)})
+
+    def slowed(self, factor: float) -> MachineCosts:
+        """These costs on a device `factor` times slower: every compute time x `factor`."""
+        return replace(self, **{f.name: getattr(self, f.name) * factor for f in fields(self) if f.metadata["compute"]})
+
+    @property
+    def free_hooks(self) -> bool:
+        """Messages, FSDP hooks and DTensor optimizer steps cost nothing extra (an uncalibrated NCCL job)."""
+        return self.latency_s == self.fsdp_layer_s == self.fsdp_optimizer_layer_s == 0
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Seconds and bytes of one plan's pieces, as the runtime runs them.
+
+    `machine` holds what the hardware costs (`MachineCosts`); the rest is what the plan runs (sharding, backend,
+    whether its communicators use RDMA) and `state_multiplier` bytes of state per parameter byte.
 
     - Compute: FLOPs / (device peak TFLOPS x `efficiency`), or measured seconds scaled by the device's speed relative
       to the device they were measured on, per sample; plus `layer_overhead_s` per layer and micro-batch whatever
@@ -68,21 +127,14 @@ class CostModel:
 
     topology: Topology
     profile: ModelProfile
-    efficiency: float = 0.5
-    dp_overlap: float = 0.5
+    machine: MachineCosts = MachineCosts()
     sharding: Sharding = Sharding.fsdp
     state_multiplier: float = 4.0
     rdma: bool = True
-    backend: str = "nccl"
-    layer_overhead_s: float = 0.0
-    optimizer_s_per_gb: float = 0.0
-    latency_s: float = 0.0
-    fsdp_layer_s: float = 0.0
-    fsdp_reshard_layer_s: float = 0.0
-    fsdp_optimizer_layer_s: float = 0.0
-    shared_cores: float | None = None
-    closing_s: float | None = None
-    message_cpu_s: float = 0.0
+    backend: Backend = Backend.nccl
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "backend", Backend(self.backend))
 
     def layer_seconds(self, device_tflops: float) -> tuple[list[float], list[float]]:
         """Forward and backward seconds per sample of every layer on a device of this peak speed."""
@@ -91,7 +143,7 @@ class CostModel:
             reference = self.profile.measured_tflops or max(n.device_tflops for n in self.topology.nodes)
             scale = reference / device_tflops
             return [layer.forward_s * scale for layer in layers], [layer.backward_s * scale for layer in layers]
-        flops_per_s = device_tflops * 1e12 * self.efficiency
+        flops_per_s = device_tflops * 1e12 * self.machine.efficiency
         return [la.forward_flops / flops_per_s for la in layers], [la.backward_flops / flops_per_s for la in layers]
 
     def microbatch_seconds(
@@ -100,7 +152,7 @@ class CostModel:
         """Forward and backward seconds of every layer for one micro-batch of `microbatch_size` samples, on a stage of
         `dp` ranks (its data-parallel hooks included)."""
         forward, backward = self.layer_seconds(device_tflops)
-        overhead = (self.layer_overhead_s + self.hook_s(dp, pipelined)) / 3
+        overhead = (self.machine.layer_overhead_s + self.hook_s(dp, pipelined)) / 3
         return (
             [f * microbatch_size + overhead for f in forward],
             [b * microbatch_size + 2 * overhead for b in backward],
@@ -111,14 +163,16 @@ class CostModel:
         if dp == 1 or (self.sharding is not Sharding.fsdp and pipelined):  # plain modules
             return 0.0
         if self.sharding is Sharding.fsdp and reshards_after_forward(pipelined=pipelined):
-            return self.fsdp_reshard_layer_s
-        return self.fsdp_layer_s
+            return self.machine.fsdp_reshard_layer_s
+        return self.machine.fsdp_layer_s
 
     def update_s(self, param_bytes: float, dp: int, *, layers: int = 0, pipelined: bool = True) -> float:
         """The optimizer step over the parameters one rank of a stage holds (its shard under FSDP), of `layers`."""
         held = param_bytes / dp if self.sharding is Sharding.fsdp else param_bytes
         on_dtensors = dp > 1 and (self.sharding is Sharding.fsdp or not pipelined)
-        return self.optimizer_s_per_gb * held / 1e9 + (self.fsdp_optimizer_layer_s * layers if on_dtensors else 0.0)
+        return self.machine.optimizer_s_per_gb * held / 1e9 + (
+            self.machine.fsdp_optimizer_layer_s * layers if on_dtensors else 0.0
+        )
 
     def dp_link(self, ranks: tuple[int, ...]) -> Link:
         return self.topology.slowest_link(ranks, rdma=self.rdma)
@@ -134,39 +188,39 @@ class CostModel:
         seconds = sync_bytes(self.sharding, self.backend, n, param_bytes, pipelined=pipelined) / link.bytes_per_s
         if self.sharding is Sharding.fsdp:
             passes = sync_passes(self.sharding, self.backend, pipelined=pipelined)
-            return seconds + passes * (n - 1) * layers * self.latency_s
+            return seconds + passes * (n - 1) * layers * self.machine.latency_s
         collectives = math.ceil(param_bytes / BUCKET_BYTES) if pipelined else layers
-        return seconds + collectives * 2 * (n - 1) * self.latency_s
+        return seconds + collectives * 2 * (n - 1) * self.machine.latency_s
 
     def exposed_sync_s(self, sync_s: float, compute_s: float, *, pipelined: bool = False) -> float:
         """The part of the DP sync the computation does not hide: all of it in a pipeline (it runs after the
         schedule); else at most `dp_overlap` of it, and no more than `compute_s` (the pass's forward + backward)."""
         if pipelined:
             return sync_s
-        return max(sync_s * (1 - self.dp_overlap), sync_s - compute_s)
+        return max(sync_s * (1 - self.machine.dp_overlap), sync_s - compute_s)
 
     def transfer_s(self, nbytes: float, link: Link) -> float:
         """One pipeline message of `nbytes` over `link`."""
-        return self.latency_s + nbytes / link.bytes_per_s
+        return self.machine.latency_s + nbytes / link.bytes_per_s
 
     def early_s(self, nbytes: float, link: Link) -> float:
         """The part of `transfer_s` that may run before the receiver posts its recv."""
-        early = min(nbytes, GLOO_EARLY_BYTES) if self.backend == "gloo" else 0.0
+        early = min(nbytes, GLOO_EARLY_BYTES) if self.backend is Backend.gloo else 0.0
         return early / link.bytes_per_s
 
     @property
     def pass_message_cpu_s(self) -> float:
         """What a pass that sends a pipeline message adds for the message's CPU: ranks sharing cores only."""
-        return self.message_cpu_s if self.shared_cores is not None else 0.0
+        return self.machine.message_cpu_s if self.machine.shared_cores is not None else 0.0
 
     def step_collective_s(self, world_size: int) -> float:
         """What a pipelined step spends after its schedule in small collectives over every rank: `closing_s` where
         measured, else the all-reduce of the loss every rank logs: its latency, 2 (n-1) messages in gloo's ring,
         2 log2(n) in NCCL's tree."""
-        if self.closing_s is not None:
-            return self.closing_s
-        messages = 2 * (world_size - 1) if self.backend == "gloo" else 2 * math.ceil(math.log2(world_size))
-        return messages * self.latency_s
+        if self.machine.closing_s is not None:
+            return self.machine.closing_s
+        messages = 2 * (world_size - 1) if self.backend is Backend.gloo else 2 * math.ceil(math.log2(world_size))
+        return messages * self.machine.latency_s
 
     def memory_bytes(self, param_bytes: float, *, dp: int, stash_bytes: float, pipelined: bool) -> float:
         """Peak bytes per device of a stage whose `dp` ranks hold `param_bytes` and keep `stash_bytes` of activations.

@@ -91,7 +91,9 @@ def _throughput(axes, plans: dict[str, Plan]) -> None:
 
 def _timeline(axes, name: str, plan: Plan, horizon: float) -> None:
     """One row per stage (stage 0 on top): forward and backward blocks per micro-batch, then the exposed sync."""
-    timeline = simulate(plan.stages, plan.schedule, plan.microbatches, plan.shared_cores, plan.backend)
+    timeline = simulate(
+        plan.stages, plan.schedule, plan.microbatches, shared_cores=plan.shared_cores, backend=plan.backend
+    )
     for block in timeline.blocks:
         colour = {"forward": FORWARD, "backward": BACKWARD, "sync": SYNC, "optimizer": OPTIMIZER}[block.kind]
         y = plan.pp - 1 - block.stage

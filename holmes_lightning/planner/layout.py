@@ -6,6 +6,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from holmes_lightning.planner.options import LayoutKind
 from holmes_lightning.topology import Link, LinkKind, NICGroup, NICKind, Topology
 
 MAX_GROUP_ORDERS = 720  # distinct NIC group orders searched; beyond, only those with the fastest stage boundaries
@@ -24,7 +25,7 @@ class StageGroup:
 class Layout:
     """Stages in pipeline order. `rdma=False`: every communicator runs on TCP sockets (IB and RoCE in one job)."""
 
-    name: str
+    name: LayoutKind
     stages: tuple[StageGroup, ...]
     rdma: bool = True
 
@@ -88,7 +89,7 @@ def _distinct_permutations(labels: list[int]) -> list[tuple[int, ...]]:
 
 def holmes_layout(order: tuple[NICGroup, ...], dp: int) -> Layout:
     """NIC groups in this order, each cut into stages of `dp` consecutive ranks."""
-    return Layout("holmes", tuple(stage for group in order for stage in _slices(group, dp)))
+    return Layout(LayoutKind.holmes, tuple(stage for group in order for stage in _slices(group, dp)))
 
 
 def megatron_layout(topology: Topology, pp: int, dp: int) -> Layout:
@@ -99,13 +100,13 @@ def megatron_layout(topology: Topology, pp: int, dp: int) -> Layout:
 
     ordered = sorted(range(topology.world_size), key=hostname_order)
     stages = tuple(_group_of(topology, tuple(ordered[s * dp : (s + 1) * dp])) for s in range(pp))
-    return Layout("nic_unaware", stages, rdma=not mixes_rdma_kinds(topology))
+    return Layout(LayoutKind.nic_unaware, stages, rdma=not mixes_rdma_kinds(topology))
 
 
 def flat_layout(topology: Topology) -> Layout:
     """One sharding group over every rank, no pipeline."""
     stage = _group_of(topology, tuple(range(topology.world_size)))
-    return Layout("flat_fsdp", (stage,), rdma=not mixes_rdma_kinds(topology))
+    return Layout(LayoutKind.flat_fsdp, (stage,), rdma=not mixes_rdma_kinds(topology))
 
 
 @dataclass(frozen=True)

@@ -6,17 +6,10 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from holmes_lightning.topology import ConfigEnum, LinkKind, NICKind
+from holmes_lightning.planner.options import Backend, LayoutKind, Schedule, Sharding
+from holmes_lightning.topology import LinkKind, NICKind
 
 PLAN_VERSION = 2  # 2: typed stage facts (clusters, nics, link kinds), `rdma` and `pp_links`
-
-
-class Sharding(ConfigEnum):
-    """How a stage's DP group holds its parameters: FSDP2 shards, full replicas, or the planner's pick (`auto`)."""
-
-    auto = "auto"
-    fsdp = "fsdp"
-    none = "none"
 
 
 @dataclass(frozen=True)
@@ -95,8 +88,8 @@ class Plan:
     `backend`: the collective library it was planned for.
     """
 
-    layout: str
-    schedule: str
+    layout: LayoutKind
+    schedule: Schedule
     stages: tuple[StagePlan, ...]
     microbatches: int
     microbatch_size: int
@@ -109,7 +102,7 @@ class Plan:
     rdma: bool = True
     pp_links: tuple[LinkKind, ...] = ()
     shared_cores: float | None = None
-    backend: str = "nccl"
+    backend: Backend = Backend.nccl
     version: int = PLAN_VERSION
 
     @property
@@ -190,6 +183,9 @@ class Plan:
         prediction = StepPrediction(**data.pop("prediction"))
         known = {f.name for f in fields(cls)}
         data = {key: value for key, value in data.items() if key in known}
+        data["layout"] = LayoutKind(data["layout"])
+        data["schedule"] = Schedule(data["schedule"])
+        data["backend"] = Backend(data.get("backend", Backend.nccl))
         data["sharding"] = Sharding(data.get("sharding", Sharding.fsdp))
         data["pp_links"] = tuple(LinkKind(kind) for kind in data.get("pp_links", ()))
         data["notes"] = tuple(data.get("notes", ()))

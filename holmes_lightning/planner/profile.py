@@ -7,7 +7,7 @@ from typing import Protocol
 
 
 class GPTShape(Protocol):
-    """The shape of a GPT (what `holmes_lightning.config.ModelConfig` holds)."""
+    """The shape of a GPT (what `holmes_lightning.cli.config.ModelConfig` holds)."""
 
     name: str
     n_layers: int

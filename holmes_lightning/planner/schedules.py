@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+from holmes_lightning.planner.options import Schedule
 
 
 @dataclass(frozen=True)
@@ -17,12 +17,12 @@ class Action:
     microbatch: int
 
 
-def microbatch_problem(schedule: str, pp: int, microbatches: int) -> str | None:
+def microbatch_problem(schedule: Schedule, pp: int, microbatches: int) -> str | None:
     """Why torch's schedule would refuse this micro-batch count for `pp` stages, or None."""
-    if schedule == "1F1B" and microbatches < pp:
+    if schedule == Schedule["1F1B"] and microbatches < pp:
         return f"schedule 1F1B needs microbatches >= stages, got {microbatches} < {pp}"
     rounds = max(1, microbatches // pp)
-    if schedule == "Interleaved1F1B" and microbatches % rounds:
+    if schedule == Schedule.Interleaved1F1B and microbatches % rounds:
         return (
             f"schedule Interleaved1F1B needs microbatches to be a multiple of max(1, microbatches // pp) = {rounds}, "
             f"got {microbatches} with pp={pp}"
@@ -30,16 +30,16 @@ def microbatch_problem(schedule: str, pp: int, microbatches: int) -> str | None:
     return None
 
 
-def stage_actions(schedule: str, stage: int, pp: int, microbatches: int, chunks: int = 1) -> list[Action]:
+def stage_actions(schedule: Schedule, stage: int, pp: int, microbatches: int, chunks: int = 1) -> list[Action]:
     """The order in which `stage` of `pp` runs its forwards and backwards (`chunks` > 1: interleaved)."""
-    if schedule == "GPipe":
+    if schedule == Schedule.GPipe:
         forwards = [Action(False, 0, mb) for mb in range(microbatches)]
         return forwards + [Action(True, 0, mb) for mb in range(microbatches)]
-    if schedule == "1F1B":
+    if schedule == Schedule["1F1B"]:
         return _one_f_one_b(stage, pp, microbatches)
-    if schedule == "Interleaved1F1B":
+    if schedule == Schedule.Interleaved1F1B:
         return _interleaved(stage, pp, microbatches, chunks)
-    raise ValueError(f"schedule={schedule!r} is not modelled; use one of {', '.join(SCHEDULES)}")
+    raise ValueError(f"schedule={schedule!r} is not modelled; use one of {', '.join(Schedule)}")
 
 
 def _one_f_one_b(stage: int, pp: int, microbatches: int) -> list[Action]:

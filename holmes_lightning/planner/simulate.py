@@ -33,13 +33,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 
+from holmes_lightning.planner.options import Backend, Schedule
 from holmes_lightning.planner.plan_types import StagePlan, locate_virtual, virtual_stage
 from holmes_lightning.planner.schedules import Action, stage_actions
 from holmes_lightning.planner.sharing import CoreSharing, settle
 
-RENDEZVOUS = {"GPipe": True, "1F1B": True, "Interleaved1F1B": False}  # recv posted just before its action?
-BUFFERED_BACKENDS = {"gloo"}  # a send is done once both sides have posted (gloo's TCP sockets take its data)
-WAITS_THEN_POSTS = {"GPipe"}  # a gated action's recv is posted after the wait (1F1B: in the same batch)
+# recv posted just before its action?
+RENDEZVOUS = {Schedule.GPipe: True, Schedule["1F1B"]: True, Schedule.Interleaved1F1B: False}
+BUFFERED_BACKENDS = {Backend.gloo}  # a send is done once both sides have posted (gloo's TCP sockets take its data)
+WAITS_THEN_POSTS = {Schedule.GPipe}  # a gated action's recv is posted after the wait (1F1B: in the same batch)
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,7 @@ class Replay:
 
     @classmethod
     @cache
-    def of(cls, schedule: str, pp: int, microbatches: int, chunks: int = 1) -> Replay:
+    def of(cls, schedule: Schedule, pp: int, microbatches: int, chunks: int = 1) -> Replay:
         orders = [stage_actions(schedule, s, pp, microbatches, chunks) for s in range(pp)]
         last = pp * chunks - 1
         Key = tuple[bool, int, int]
@@ -306,15 +308,15 @@ class Replay:
         return max(end + extra for end, extra in zip(clock, tail, strict=True))
 
 
-def _gates(schedule: str, order: Sequence[Action], sends: Sequence[bool]) -> list[tuple[int, int]]:
+def _gates(schedule: Schedule, order: Sequence[Action], sends: Sequence[bool]) -> list[tuple[int, int]]:
     """Per action of one stage: the positions of the actions whose sends it waits for before it starts and before the
     stage moves on after it (-1: none), as torch's schedule batches and waits its sends (module docstring)."""
     gates = [(-1, -1)] * len(order)
-    if schedule == "GPipe":
+    if schedule == Schedule.GPipe:
         forwards = [p for p, action in enumerate(order) if not action.backward]
         if forwards and forwards[-1] + 1 < len(order) and sends[forwards[-1]]:
             gates[forwards[-1] + 1] = (forwards[-1], -1)
-    elif schedule == "1F1B":
+    elif schedule == Schedule["1F1B"]:
         for p in range(1, len(order)):
             if not sends[p - 1]:
                 continue
@@ -334,10 +336,11 @@ def _last_sends(order: Sequence[Action], sends: Sequence[bool]) -> list[int]:
 
 def simulate(
     stages: Sequence[StagePlan],
-    schedule: str,
+    schedule: Schedule,
     microbatches: int,
+    *,
     shared_cores: float | None = None,
-    backend: str = "nccl",
+    backend: Backend = Backend.nccl,
 ) -> Timeline:
     """Replay one optimizer step of `stages` (each with per-chunk forward/backward/send seconds); `shared_cores`: every
     rank computes on this many CPU cores of one machine (`planner.sharing`); on `backend` gloo sends are buffered

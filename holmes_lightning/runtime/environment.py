@@ -13,7 +13,9 @@ from lightning.fabric.plugins.environments import (
     SLURMEnvironment,
     TorchElasticEnvironment,
 )
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from holmes_lightning.launch.processes import launched_topology
 from holmes_lightning.runtime.placement import (
     NODE_ADDRESS_ENV,
     RankReport,
@@ -26,7 +28,6 @@ from holmes_lightning.topology import ClusterSpec, NICKind, Topology, TopologyEr
 from holmes_lightning.topology.detect import SYSFS_INFINIBAND, detect_node_nic, reconcile
 
 FABRIC_ADDRESS_ENV = "HOLMES_FABRIC_ADDRESS"
-LAB_BANDWIDTH_SCALE_ENV = "HOLMES_LAB_BANDWIDTH_SCALE"  # the lab runs every link at its speed x this
 
 
 def detect_report(rank: int, node_rank: int, local_rank: int, sysfs_root: str | Path = SYSFS_INFINIBAND) -> RankReport:
@@ -61,6 +62,26 @@ def resolve_nics(spec: ClusterSpec, reports: list[RankReport]) -> ClusterSpec:
             kind = reconcile(group.nic.kind, detected, f"cluster {group.name!r}")
         clusters.append(replace(group, nic=replace(group.nic, kind=kind)))
     return replace(spec, clusters=clusters)
+
+
+def cluster_source(
+    given: str | Path | dict | ClusterSpec | Topology | None, *, nodes: int, processes_per_node: int
+) -> str | Path | dict | ClusterSpec | Topology:
+    """The cluster a strategy runs: holmes-launch's (command-line overrides win over the script's `given`), else
+    `given`, else the launched nodes with their NIC kinds detected."""
+    launched = launched_topology()
+    if launched is not None:
+        spec = given.spec if isinstance(given, Topology) else given
+        if spec is not None and load_cluster_spec(spec) != launched.spec:
+            rank_zero_info(
+                f"HolmesStrategy: running the cluster holmes-launch started ({launched.name!r}, "
+                f"{launched.world_size} ranks, command-line overrides included) instead of cluster={given!r}"
+            )
+        return launched
+    if given is not None:
+        return given
+    clusters = [{"name": "local", "nodes": nodes, "nic": {"kind": None}}]
+    return {"name": "launched", "devices_per_node": processes_per_node, "clusters": clusters}
 
 
 def default_environment() -> ClusterEnvironment:

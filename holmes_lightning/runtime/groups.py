@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -93,15 +94,32 @@ def _register_bound_gloo() -> None:
         dist.Backend.register_backend(BOUND_GLOO, _create_bound_gloo, extended_api=True, devices=["cpu"])
 
 
+def nccl_options(link: LinkKind) -> dist.ProcessGroupNCCL.Options:
+    """An NCCL group's options when its slowest hop is `link`: TCP sockets across fabrics, else NCCL's own net."""
+    options = dist.ProcessGroupNCCL.Options()
+    net = nccl.group_net(link, os.environ)
+    if net is not None:
+        options.config.net_name = net
+    return options
+
+
+def nccl_world(environment: NICGroupingEnvironment, device: torch.device) -> dict[str, Any]:
+    """What the default NCCL group is made with (`init_process_group`'s arguments), this process's NCCL environment
+    set first (NCCL reads it once; each node's first rank prints what it set). The default group runs on sockets
+    unless the config puts every node on one fabric: it carries only small messages."""
+    rendezvous = (environment.main_address, environment.main_port)
+    settings = nccl.set_up_process(environment.spec, environment.node_rank(), environment.node_address, rendezvous)
+    if environment.local_rank() == 0 and settings.notes():
+        print(f"holmes: node {environment.node_rank()}: {'; '.join(settings.notes())}", flush=True)
+    return {"device_id": device, "pg_options": nccl_options(nccl.world_link(environment.spec))}
+
+
 def new_group(
     ranks: tuple[int, ...], backend: str, transport: Transport, timeout: timedelta, name: str | None = None
 ) -> dist.ProcessGroup:
     """A process group of `ranks` in the given order (group rank = position), on `transport`. Collective call."""
     if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        net = nccl.group_net(transport.link, os.environ)
-        if net is not None:
-            options.config.net_name = net
+        options = nccl_options(transport.link)
         return dist.new_group(
             list(ranks), timeout=timeout, backend="nccl", pg_options=options, sort_ranks=False, group_desc=name
         )

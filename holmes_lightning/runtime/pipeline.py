@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,7 @@ from holmes_lightning.planner import Plan
 from holmes_lightning.runtime.sharding import GradientSync
 
 CONTRACT = ("pipeline_layers", "pipeline_loss")
+T = TypeVar("T")
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -35,6 +37,16 @@ def check_contract(module: nn.Module, pp: int) -> None:
             f"{' and '.join(missing)}: add `def pipeline_layers(self) -> list[nn.Module]` (ordered modules whose "
             f"sequential application maps inputs to outputs) and `def pipeline_loss(self, outputs, targets) -> "
             f"Tensor` (mean loss of one micro-batch); batches must be (inputs, targets). Or train with pp=1."
+        )
+
+
+def check_automatic_optimization(module: nn.Module, pipeline: str) -> None:
+    if not module.automatic_optimization:
+        raise ValueError(
+            f"HolmesStrategy with {pipeline} needs Lightning's automatic optimization: the pipeline schedule runs "
+            f"forward and backward itself, and Lightning steps the optimizers, clips and accumulates around it; remove "
+            f"`self.automatic_optimization = False` from {type(module).__name__} (and its manual optimizer calls), "
+            f"or train without a pipeline: HolmesStrategy(pp=1) with a schedule that is not interleaved"
         )
 
 
@@ -274,8 +286,60 @@ class Pipeline:
         return _mean(losses), torch.cat(outputs) if outputs else None
 
 
+class HeldGradients:
+    """A pipelined step's gradients, held out of `params` from the schedule (run in `training_step`, before
+    Lightning zeroes gradients) until Lightning's `backward` adds them, which keeps accumulation, clipping, hooks and
+    optimizer steps Lightning's own."""
+
+    def __init__(self, params: Sequence[nn.Parameter]) -> None:
+        self.params = list(params)
+        self.held: list[torch.Tensor | None] | None = None
+
+    def hold(self, step: Callable[[], T], *, window_start: bool) -> T:
+        """Run `step` on empty gradients and hold what it leaves. `window_start`: the first batch of an accumulation
+        window, whose earlier gradients are freed first (Lightning zeroes them right after this step anyway)."""
+        if window_start:
+            for param in self.params:
+                param.grad = None
+        earlier = self._swap([None] * len(self.params))
+        result = step()
+        self.held = self._swap(earlier)
+        return result
+
+    def add(self, accumulate: int) -> None:
+        """Add the held gradients to the parameters', each / `accumulate` (Lightning's gradient accumulation)."""
+        assert self.held is not None, "backward without a pipelined training step before it"
+        for param, grad in zip(self.params, self.held, strict=True):
+            if grad is None:
+                continue
+            if accumulate > 1:
+                grad.div_(accumulate)
+            param.grad = grad if param.grad is None else param.grad.add_(grad)
+        self.held = None
+
+    def _swap(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Put `grads` into the parameters and return what they held."""
+        held = [param.grad for param in self.params]
+        for param, grad in zip(self.params, grads, strict=True):
+            param.grad = grad
+        return held
+
+
 def _mean(losses: list[torch.Tensor]) -> torch.Tensor | None:
     return torch.stack([loss.detach().float() for loss in losses]).mean() if losses else None
+
+
+def gather_replica_outputs(plan: Plan, outputs: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """Every DP replica's last-stage `outputs` (per batch; None off the last stage) as one tensor on every rank, rows
+    in the order of a DataLoader whose samples d, d + dp, ... went to replica d. Every rank calls it."""
+    everyone: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, list(outputs))
+    last = next(stage for stage in plan.stages if plan.holds_last(stage.index))
+    replicas = [torch.cat(everyone[rank]) for rank in last.ranks]
+    merged = replicas[0].new_empty((sum(len(rows) for rows in replicas), *replicas[0].shape[1:]))
+    for index, rows in enumerate(replicas):
+        merged[index :: len(replicas)] = rows
+    return merged
 
 
 def shared_loss(local: torch.Tensor | None, dp: int, device: torch.device) -> torch.Tensor:

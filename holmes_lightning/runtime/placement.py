@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from holmes_lightning.processes import LAUNCHED_ENV
+from holmes_lightning.launch.processes import LAUNCHED_ENV
 from holmes_lightning.topology import ClusterSpec, NICKind, Topology, TopologyError
 
 NODE_ADDRESS_ENV = "HOLMES_NODE_ADDRESS"

@@ -29,7 +29,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 import holmes_lightning.runtime.checkpoint as checkpoint
-from holmes_lightning import job
+from holmes_lightning.launch import job
 
 STOP_SIGNALS = (signal.SIGTERM,)
 

@@ -58,8 +58,21 @@ class LinkClass:
         if self.scope is LinkScope.fabric:
             return f"{self.kind.value}:{self.clusters[0]}"
         if self.pair_listed:
-            return f"{self.scope.value}:{PAIR_SEPARATOR.join(self.clusters)}"
+            return self.pair_key
         return self.scope.value
+
+    @property
+    def pair_key(self) -> str:
+        """`inter_cluster:<A><-><B>`, or `inter_cluster:<A>` for TCP forced inside cluster A: this very pair."""
+        return f"{self.scope.value}:{PAIR_SEPARATOR.join(self.clusters)}"
+
+    @property
+    def measured_keys(self) -> tuple[str, ...]:
+        """The keys a measured speed of this link may be given under, the most specific first: a TCP link's own pair
+        of clusters (`pair_key`), then `key`."""
+        if self.scope is LinkScope.inter_cluster and not self.pair_listed:
+            return (self.pair_key, self.key)
+        return (self.key,)
 
     def __str__(self) -> str:
         return self.key
@@ -224,8 +237,9 @@ class Topology:
         return self.link_of(self.link_class(a, b, rdma))
 
     def link_of(self, link_class: LinkClass) -> Link:
-        """A link class's speed: measured if a probe gave one, else configured (never above either end's NIC)."""
-        measured = self.measured.get(link_class.key)
+        """A link class's speed: measured if a probe gave one (`LinkClass.measured_keys`), else configured (never
+        above either end's NIC)."""
+        measured = next((self.measured[key] for key in link_class.measured_keys if key in self.measured), None)
         if measured is None and link_class.scope is LinkScope.inter_cluster:
             measured = self.measured.get(LinkScope.inter_cluster.value)  # probe files from before per-pair links
         if measured is not None:
@@ -303,19 +317,6 @@ class Topology:
             self.spec, name=f"{self.name}_homogeneous", clusters=groups, inter_cluster=InterClusterSpec(fastest)
         )
         return Topology(spec)
-
-    def at_link_scale(self, factor: float) -> Topology:
-        """The same machines with every link's speed x `factor`, a probe's measured ones too: the cluster as the lab
-        emulates it."""
-        spec = self.spec
-        clusters = [replace(group, nic=replace(group.nic, gbps=group.nic.gbps * factor)) for group in spec.clusters]
-        scaled = replace(
-            spec,
-            clusters=clusters,
-            intra_node=replace(spec.intra_node, gbps=spec.intra_node.gbps * factor),
-            inter_cluster=spec.inter_cluster.scaled(factor),
-        )
-        return Topology(scaled, {link_class: gbps * factor for link_class, gbps in self.measured.items()})
 
     def to_dict(self) -> dict:
         return {"spec": asdict(self.spec), "measured": self.measured}
@@ -456,10 +457,10 @@ def _validate_pairs(inter_cluster: InterClusterSpec, names: list[str]) -> None:
 
 
 def _load_measured(path: str) -> dict[str, float]:
-    """Bandwidths measured by `holmes_lightning.lab.probe` (JSON: link class -> Gb/s) replace the configured ones."""
+    """Bandwidths measured by `holmes_lightning.cli.probe` (JSON: link class -> Gb/s) replace the configured ones."""
     file = Path(path)
     if not file.exists():
-        raise TopologyError(f"cluster.measured={path!r}: file not found; write it with holmes_lightning.lab.probe")
+        raise TopologyError(f"cluster.measured={path!r}: file not found; write it with holmes_lightning.cli.probe")
     data = json.loads(file.read_text())
     links = data.get("links", data)
     return {str(k): float(v) for k, v in links.items()}

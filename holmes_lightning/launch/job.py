@@ -11,7 +11,8 @@ from datetime import datetime
 
 from omegaconf import OmegaConf
 
-from holmes_lightning.processes import LAUNCHED_ENV
+from holmes_lightning.launch.processes import LAUNCHED_ENV
+from holmes_lightning.planner import Backend
 
 SCALE_TIMEOUT_S = 1800.0  # torch's default: NCCL builds communicators at the first collective, slow on many nodes
 LOCAL_TIMEOUT_S = 120.0  # ranks our launcher starts on one machine (loopback, lab): a hang should end soon
@@ -50,9 +51,9 @@ def collective_timeout_s(configured: float | None, environ: Mapping[str, str]) -
     return LOCAL_TIMEOUT_S if LAUNCHED_ENV in environ else SCALE_TIMEOUT_S
 
 
-def timeout_warning(timeout_s: float, backend: str, nodes: int) -> str | None:
+def timeout_warning(timeout_s: float, backend: Backend, nodes: int) -> str | None:
     """A warning when an NCCL job on several nodes may fail only because its first collectives wait too little."""
-    if backend != "nccl" or nodes < 2 or timeout_s >= SCALE_TIMEOUT_S:
+    if backend != Backend.nccl or nodes < 2 or timeout_s >= SCALE_TIMEOUT_S:
         return None
     return (
         f"strategy.timeout_s={timeout_s:g}: NCCL builds each communicator at its first collective, which can take "

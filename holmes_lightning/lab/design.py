@@ -6,7 +6,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from holmes_lightning.topology import Topology, TopologyError
+from holmes_lightning.topology import LinkClass, LinkKind, LinkScope, Topology, TopologyError
 
 ETHERNET_NET = "10.213.1"  # both /24s exist only inside the lab's namespaces
 FABRIC_NET = "10.213.2"
@@ -36,7 +36,7 @@ class LabNode:
 
 
 @dataclass(frozen=True)
-class LabPlan:
+class LabNetwork:
     bridge: str
     nodes: tuple[LabNode, ...]
     bandwidth_scale: float
@@ -60,7 +60,7 @@ def format_scale(scale: float) -> str:
     return f"1/{inverse:.0f}" if abs(inverse - round(inverse)) < 1e-6 * inverse else f"1/{inverse:.4g}"
 
 
-def plan_lab(topology: Topology, bandwidth_scale: float, pid: int | None = None) -> LabPlan:
+def design_network(topology: Topology, bandwidth_scale: float, pid: int | None = None) -> LabNetwork:
     """Addresses and egress classes of every node; rates are the configured speeds (not `measured`) x the scale."""
     if isinstance(bandwidth_scale, bool) or not bandwidth_scale > 0:
         raise TopologyError(f"lab.bandwidth_scale={bandwidth_scale!r}: must be > 0, e.g. 0.002 (200 Gb/s -> 400 Mb/s)")
@@ -98,13 +98,27 @@ def plan_lab(topology: Topology, bandwidth_scale: float, pid: int | None = None)
             f"{fastest.lab_mbit:.0f} Mb/s, above the {MAX_LAB_MBIT:.0f} Mb/s this machine shapes exactly; use at most "
             f"{MAX_LAB_MBIT / 1000 / fastest.gbps:.2g}"
         )
-    return LabPlan(f"{prefix}br", tuple(nodes), bandwidth_scale)
+    return LabNetwork(f"{prefix}br", tuple(nodes), bandwidth_scale)
 
 
-def describe(plan: LabPlan) -> str:
+def emulated_topology(topology: Topology, bandwidth_scale: float) -> Topology:
+    """`topology` as the lab runs it: the same cluster config, every link measured at its configured speed x
+    `bandwidth_scale`, keyed as measured speeds are (`LinkClass.measured_keys`). The lab starts its ranks as this
+    cluster, so HolmesStrategy plans for the links the job has, as on a real cluster with measured links."""
+    configured = Topology(topology.spec)
+    firsts = [node.ranks[0] for node in configured.nodes]
+    classes = {LinkClass(LinkScope.intra_node, LinkKind.INTRA_NODE)}
+    classes.update(
+        configured.link_class(a, b, rdma) for a in firsts for b in firsts if a != b for rdma in (True, False)
+    )
+    links = {link_class.measured_keys[0]: configured.link_of(link_class).gbps for link_class in classes}
+    return Topology(topology.spec, {key: gbps * bandwidth_scale for key, gbps in links.items()})
+
+
+def describe(network: LabNetwork) -> str:
     """A table of the emulated nodes: namespace, addresses, and the rate of each egress class."""
     lines = [f"  {'node':<14}{'namespace':<20}{'ethernet':<13}{'fabric':<13}egress (real -> lab)"]
-    for node in plan.nodes:
+    for node in network.nodes:
         rates = "; ".join(f"{c.link_class} {c.gbps:g} Gb/s -> {c.lab_mbit:.3g} Mb/s" for c in node.egress)
         lines.append(f"  {node.name:<14}{node.namespace:<20}{node.ethernet:<13}{node.fabric or '-':<13}{rates}")
     return "\n".join(lines)

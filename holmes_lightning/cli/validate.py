@@ -12,26 +12,27 @@ from dataclasses import asdict, replace
 import torch
 
 import holmes_lightning.runtime.checkpoint as checkpoint
-from holmes_lightning import planner
-from holmes_lightning.config import TrainConfig
-from holmes_lightning.planner import BatchSettings, ModelProfile, Plan, PlanOptions
+from holmes_lightning.cli.config import TrainConfig
+from holmes_lightning.planner import Backend, BatchSettings, MachineCosts, ModelProfile, Plan, PlanOptions, best_plan
 from holmes_lightning.topology import Topology
 
 MODEL_SHAPE = ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size")
 
 
-def check_plan(config: TrainConfig, topology: Topology, batch: BatchSettings, options: PlanOptions) -> Plan:
+def check_plan(
+    config: TrainConfig, topology: Topology, batch: BatchSettings, *, options: PlanOptions, costs: MachineCosts
+) -> Plan:
     """The plan the job's settings lead to, costed for the collective library the ranks will use (the ranks plan
     again on the measured model; its feasibility is the same)."""
     options = replace(options, backend=collective_backend(config.trainer.accelerator))
-    return planner.plan(topology, ModelProfile.from_gpt(config.model), batch, options)
+    return best_plan(topology, ModelProfile.from_gpt(config.model), batch, options=options, costs=costs)
 
 
-def collective_backend(accelerator: str) -> str:
+def collective_backend(accelerator: str) -> Backend:
     """What Lightning's process group will run on: NCCL on GPUs, gloo on CPU (`auto`: GPUs if there are any)."""
     if accelerator == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    return "gloo" if accelerator == "cpu" else "nccl"
+        return Backend.nccl if torch.cuda.is_available() else Backend.gloo
+    return Backend.gloo if accelerator == "cpu" else Backend.nccl
 
 
 def resume_path(config: TrainConfig, plan: Plan, checksums: bool = True) -> str | None:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, make_dataclass
+from typing import Any, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from hydra.errors import ConfigCompositionException, OverrideParseException
 
-from holmes_lightning.planner import PlanOptions
+from holmes_lightning.planner import MachineCosts, PlanOptions, SettingError
+from holmes_lightning.topology import ConfigEnum
 from holmes_lightning.topology.spec import ClusterSpec
 
 
@@ -75,22 +77,47 @@ class DataConfig:
         _require(self.corpus_bytes > 0, "data.corpus_bytes", self.corpus_bytes, "must be > 0, e.g. 2000000")
 
 
+def _editable(frozen: type) -> type:
+    """The fields of a frozen dataclass as a plain one, for a Hydra node (Hydra cannot override a frozen node)."""
+    hints = get_type_hints(frozen)
+    return make_dataclass(
+        f"{frozen.__name__}Config",
+        [(f.name, hints[f.name], field(default=f.default)) for f in fields(frozen) if f.default is not MISSING],
+    )
+
+
+MachineCostsConfig = _editable(MachineCosts)  # `strategy.costs.latency_s=...`: one schema, the MachineCosts fields
+
+
 @dataclass
 class StrategyConfig(PlanOptions):
     """HolmesStrategy's settings: what to plan (`PlanOptions`), the micro-batch count, whether to calibrate the cost
-    model on this machine at start (`HolmesStrategy(calibrate=...)`) and the collective timeout."""
+    model on this machine at start (`HolmesStrategy(calibrate=...)`), the collective timeout, and the machine's costs
+    where they are not calibrated (`strategy.costs`, `MachineCosts`: all of them with `calibrate=false`, else those
+    calibration does not measure, such as `dp_overlap`)."""
 
+    partition: Any = "auto"  # "auto", "uniform" or a list of layer counts (Hydra takes no union of str and list)
     microbatches: int | None = None
     calibrate: bool = True
     timeout_s: float | None = None  # null: 120 s for ranks train.py starts on this machine, 30 min under torchrun/SLURM
+    costs: MachineCostsConfig = field(default_factory=MachineCostsConfig)
 
     def __post_init__(self) -> None:
+        try:
+            super().__post_init__()
+            self.machine_costs()
+        except SettingError as error:
+            owner = "strategy.costs." if error.owner == MachineCosts.__name__ else "strategy."
+            raise ConfigError(str(error.as_written_in(owner))) from None
         timeout = self.timeout_s
         _require(timeout is None or timeout > 0, "strategy.timeout_s", timeout, "must be > 0 seconds, or null")
+        micro = self.microbatches
+        _require(
+            micro is None or micro > 0, "strategy.microbatches", micro, "must be > 0, or null to let the planner pick"
+        )
 
-    def plan_options(self) -> PlanOptions:
-        """The plan settings alone, without the runtime's."""
-        return PlanOptions(**{f.name: getattr(self, f.name) for f in fields(PlanOptions)})
+    def machine_costs(self) -> MachineCosts:
+        return MachineCosts(**asdict(self.costs))
 
 
 @dataclass
@@ -153,16 +180,22 @@ class CheckpointConfig:
         _require(self.keep >= 1, "checkpoint.keep", self.keep, "must be >= 1 (the newest is the one to resume)")
 
 
+class LabMode(ConfigEnum):
+    """Where the ranks run: this machine as it is, or the lab's emulated network."""
+
+    loopback = "loopback"
+    emulate = "emulate"
+
+
 @dataclass
 class LabConfig:
     """Where the ranks run: `loopback` (this machine as it is) or `emulate` (the lab's shaped network, needs root)."""
 
-    mode: str = "loopback"
+    mode: LabMode = LabMode.loopback
     bandwidth_scale: float | None = None
 
     def __post_init__(self) -> None:
-        modes = ("loopback", "emulate")
-        _require(self.mode in modes, "lab.mode", self.mode, f"use one of {modes} (lab=emulate runs in the lab)")
+        self.mode = LabMode(self.mode)
         scale = self.bandwidth_scale
         fix = "must be > 0, e.g. 0.002 (200 Gb/s -> 400 Mb/s), or null to match this CPU"
         _require(scale is None or scale > 0, "lab.bandwidth_scale", scale, fix)
@@ -201,7 +234,7 @@ class PlanConfig:
 
 @dataclass
 class PlanJobConfig:
-    """`python -m holmes_lightning.plan`: the job's hardware, model, batch and strategy, planned without running."""
+    """`python -m holmes_lightning.cli.plan`: the job's hardware, model, batch and strategy, planned without running."""
 
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -1,4 +1,4 @@
-"""Measure the bandwidth of every link class: `python -m holmes_lightning.lab.probe cluster=two_cluster_mixed`.
+"""Measure the bandwidth of every link class: `python -m holmes_lightning.cli.probe cluster=two_cluster_mixed`.
 
 From a shell it starts one process per rank in the lab (`lab=emulate`, the default; `lab=loopback` skips it); started
 by torchrun/SLURM on a real cluster (RANK is set) it measures that cluster's network. Every pair of nodes is timed
@@ -25,11 +25,12 @@ from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from holmes_lightning.config import ConfigError, LabConfig, register_configs
+from holmes_lightning.cli.config import ConfigError, LabConfig, register_configs
+from holmes_lightning.cli.launch import start_ranks
 from holmes_lightning.lab.bandwidth import gloo_bytes_per_s, pair_group, socket_bytes_per_s
-from holmes_lightning.lab.plan import format_scale
-from holmes_lightning.launch import start_ranks
-from holmes_lightning.runtime.environment import FABRIC_ADDRESS_ENV, LAB_BANDWIDTH_SCALE_ENV, NODE_ADDRESS_ENV
+from holmes_lightning.lab.design import format_scale
+from holmes_lightning.lab.run import LAB_BANDWIDTH_SCALE_ENV
+from holmes_lightning.runtime.environment import FABRIC_ADDRESS_ENV, NODE_ADDRESS_ENV
 from holmes_lightning.topology import ClusterSpec, Topology, config_dir
 
 
@@ -258,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if "RANK" in os.environ:
         return measure(config, topology)
-    command = [sys.executable, "-m", "holmes_lightning.lab.probe", *overrides]
+    command = [sys.executable, "-m", "holmes_lightning.cli.probe", *overrides]
     return start_ranks(command, topology, config.lab)
 
 

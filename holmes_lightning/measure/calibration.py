@@ -44,8 +44,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
-from holmes_lightning.planner import ModelProfile, PlanOptions
-from holmes_lightning.processes import free_port
+from holmes_lightning.launch.processes import free_port
+from holmes_lightning.planner import MachineCosts, ModelProfile
 
 FIT_SAMPLES = (1, 4)  # forward + backward is timed at 1 sample and at 4 or, for a small layer, a multiple of it
 SLOPE_RATIO = 1.5  # the larger count's pass takes at least this x the 1-sample one's, so its slope is measurable
@@ -77,18 +77,14 @@ class Measurement:
 
 @dataclass(frozen=True)
 class Calibration:
-    """One rank of this machine as the cost model sees it, and what was measured for it.
+    """What was measured of one rank of this machine on the model, and the `MachineCosts` made of it.
 
     Measured in one process alone: `gflops` per marginal sample, `pass_overhead_s` (forward + backward at zero
-    samples, whole model) and `optimizer_s` (one AdamW step over the model). The cost model gets them at the rank's
-    `share` of the device: `device_tflops`, `layer_overhead_s` (per layer and micro-batch), `optimizer_s_per_gb`,
-    and FSDP2's per-layer costs (`fsdp_layer_s` per micro-batch with weights kept gathered, `fsdp_reshard_layer_s`
-    per pass when freed after forward, `fsdp_optimizer_layer_s` per step on DTensor parameters). `latency_s`: a
-    message between two ranks while all compute. Links run at their configured speed x `bandwidth_scale` (the lab's;
-    1 on a real network). `shared_cores`: every rank computes on this many cores of one machine (`share` is then 1);
-    `transfer_cpu_s_per_byte`: what moving a byte between two of them costs those cores (0: not measured).
-    `closing_s`: what a pipelined step's small collectives over every rank took at job start (None: not measured);
-    `message_cpu_s`: the CPU seconds both ends of a pipeline message spend on it (0: not measured).
+    samples, whole model) and `optimizer_s` (one AdamW step over the model), on `device`. The cost model gets them in
+    `costs`, at the rank's `share` of the device (`device_tflops`): per layer and micro-batch, per GB, FSDP2's hooks
+    per layer, and what every rank measured together (a message's latency and CPU, a step's closing collectives).
+    `transfer_cpu_s_per_byte`: what moving a byte between two ranks sharing `costs.shared_cores` costs those cores
+    (0: not measured).
     """
 
     gflops: float
@@ -96,19 +92,9 @@ class Calibration:
     optimizer_s: float
     share: float
     device_tflops: float
-    layer_overhead_s: float
-    optimizer_s_per_gb: float
-    bandwidth_scale: float = 1.0
-    scale_reason: str = "configured link speeds"
-    fsdp_layer_s: float = 0.0
-    fsdp_reshard_layer_s: float = 0.0
-    fsdp_optimizer_layer_s: float = 0.0
-    latency_s: float = 0.0
+    costs: MachineCosts
     device: str = ""
-    shared_cores: float | None = None
     transfer_cpu_s_per_byte: float = 0.0
-    closing_s: float | None = None
-    message_cpu_s: float = 0.0
 
     @classmethod
     def of(
@@ -117,95 +103,81 @@ class Calibration:
         profile: ModelProfile,
         *,
         share: float,
-        latency_s: float = 0.0,
-        bandwidth_scale: float = 1.0,
-        scale_reason: str = "configured link speeds",
-        shared_cores: float | None = None,
+        peak_tflops: float | None = None,
+        assumed: MachineCosts | None = None,
         transfer_cpu_s_per_byte: float = 0.0,
+        **together: float | None,
     ) -> Calibration:
-        """A rank's costs from one process's `measured` ones, when it gets `share` of the device; `shared_cores`: every
-        rank of the job computes on this many cores of one machine (share 1: the cost model times the sharing)."""
+        """A rank's costs from one process's `measured` ones, when it gets `share` of the device. Compute counts as a
+        fraction of a `peak_tflops` device (None: this rank's speed is the topology's device speed, as in the lab's
+        topology). `together`: the `MachineCosts` fields measured with every rank (`latency_s`, `message_cpu_s`,
+        `closing_s`, `shared_cores`); the costs nothing measured stay as `assumed` (e.g. `dp_overlap`)."""
+        assumed = assumed or MachineCosts()
         gflops = profile.flops_per_sample / max(measured.per_sample_s, 1e-12) / 1e9
+        device_tflops = gflops * share / 1e3
         per_layer = profile.num_layers * share
+        costs = replace(
+            assumed,
+            efficiency=1.0 if peak_tflops is None else min(1.0, device_tflops / peak_tflops),
+            layer_overhead_s=measured.pass_overhead_s / per_layer,
+            optimizer_s_per_gb=measured.optimizer_s / (profile.param_bytes / 1e9) / share,
+            fsdp_layer_s=measured.fsdp_pass_s / per_layer,
+            fsdp_reshard_layer_s=measured.fsdp_reshard_pass_s / per_layer,
+            fsdp_optimizer_layer_s=measured.fsdp_optimizer_s / per_layer,
+            **together,
+        )
         return cls(
             gflops=gflops,
             pass_overhead_s=measured.pass_overhead_s,
             optimizer_s=measured.optimizer_s,
             share=share,
-            device_tflops=gflops * share / 1e3,
-            layer_overhead_s=measured.pass_overhead_s / per_layer,
-            optimizer_s_per_gb=measured.optimizer_s / (profile.param_bytes / 1e9) / share,
-            bandwidth_scale=bandwidth_scale,
-            scale_reason=scale_reason,
-            fsdp_layer_s=measured.fsdp_pass_s / per_layer,
-            fsdp_reshard_layer_s=measured.fsdp_reshard_pass_s / per_layer,
-            fsdp_optimizer_layer_s=measured.fsdp_optimizer_s / per_layer,
-            latency_s=latency_s,
+            device_tflops=device_tflops,
+            costs=costs,
             device=measured.device,
-            shared_cores=shared_cores,
             transfer_cpu_s_per_byte=transfer_cpu_s_per_byte,
         )
 
-    def plan_options(self, options: PlanOptions, peak_tflops: float | None = None) -> PlanOptions:
-        """`options` with this machine's costs; compute as a fraction of a `peak_tflops` device (None: this rank's
-        speed is the topology's device speed, as in the lab's topology)."""
-        efficiency = 1.0 if peak_tflops is None else min(1.0, self.device_tflops / peak_tflops)
-        return replace(
-            options,
-            efficiency=efficiency,
-            layer_overhead_s=self.layer_overhead_s,
-            optimizer_s_per_gb=self.optimizer_s_per_gb,
-            latency_s=self.latency_s,
-            fsdp_layer_s=self.fsdp_layer_s,
-            fsdp_reshard_layer_s=self.fsdp_reshard_layer_s,
-            fsdp_optimizer_layer_s=self.fsdp_optimizer_layer_s,
-            shared_cores=options.shared_cores if self.shared_cores is None else self.shared_cores,
-            closing_s=options.closing_s if self.closing_s is None else self.closing_s,
-            message_cpu_s=self.message_cpu_s,
-        )
-
     def as_devices(self, world_size: int) -> Calibration:
-        """These costs (measured for ranks sharing `shared_cores` cores) as `world_size` ranks of a device each, every
-        one at its share of the cores while all compute: a GPU cluster as the lab emulates it."""
-        if self.shared_cores is None:
+        """These costs (measured for ranks sharing `costs.shared_cores` cores) as `world_size` ranks of a device each,
+        every one at its share of the cores while all compute: a GPU cluster as the lab emulates it."""
+        cores = self.costs.shared_cores
+        if cores is None:
             return self
-        share = min(1.0, self.shared_cores / world_size) * self.share
+        share = min(1.0, cores / world_size) * self.share
         slower = self.share / share
-        return replace(
-            self,
-            share=share,
-            device_tflops=self.device_tflops / slower,
-            layer_overhead_s=self.layer_overhead_s * slower,
-            optimizer_s_per_gb=self.optimizer_s_per_gb * slower,
-            fsdp_layer_s=self.fsdp_layer_s * slower,
-            fsdp_reshard_layer_s=self.fsdp_reshard_layer_s * slower,
-            fsdp_optimizer_layer_s=self.fsdp_optimizer_layer_s * slower,
-            shared_cores=None,
-        )
+        costs = replace(self.costs.slowed(slower), shared_cores=None)
+        return replace(self, share=share, device_tflops=self.device_tflops / slower, costs=costs)
+
+    def record(self) -> dict:
+        """Every measured and derived number in one flat dict (the benches' JSON)."""
+        flat = asdict(self)
+        return {**flat.pop("costs"), **flat}
 
     def _sharing(self) -> str:
-        if self.shared_cores is None:
+        cores = self.costs.shared_cores
+        if cores is None:
             return f"x {self.share:g} device share"
         moving = self.transfer_cpu_s_per_byte * 1e9
-        return f"every rank on {self.shared_cores:g} shared cores, slower while more compute at once" + (
+        return f"every rank on {cores:g} shared cores, slower while more compute at once" + (
             f", {moving:.2g} CPU-s per GB moved between ranks" if moving else ""
         )
 
     def _step_extras(self) -> str:
         """What the job's ranks measured together at start besides the latency."""
-        closing = "" if self.closing_s is None else f", a step's closing collectives {self.closing_s * 1e3:.2f} ms"
-        return closing + (f", {self.message_cpu_s * 1e3:.2f} CPU-ms per message" if self.message_cpu_s else "")
+        closing, message = self.costs.closing_s, self.costs.message_cpu_s
+        described = "" if closing is None else f", a step's closing collectives {closing * 1e3:.2f} ms"
+        return described + (f", {message * 1e3:.2f} CPU-ms per message" if message else "")
 
     def describe(self) -> str:
+        costs = self.costs
         return (
             f"{self.device or 'this device'}, one rank measured alone: {self.gflops:.3g} GFLOP/s per sample + "
             f"{self.pass_overhead_s * 1e3:.1f} ms per forward+backward pass, AdamW step {self.optimizer_s * 1e3:.1f} "
             f"ms; {self._sharing()} -> device_tflops={self.device_tflops:.3g}, "
-            f"layer_overhead_s={self.layer_overhead_s:.3g}, optimizer_s_per_gb={self.optimizer_s_per_gb:.3g}, FSDP "
-            f"per layer {self.fsdp_layer_s * 1e3:.2f} ms (kept) / {self.fsdp_reshard_layer_s * 1e3:.2f} ms "
-            f"(resharded) + optimizer {self.fsdp_optimizer_layer_s * 1e3:.2f} ms; message latency "
-            f"{self.latency_s * 1e3:.2f} ms{self._step_extras()}; bandwidth_scale={self.bandwidth_scale:.3g} "
-            f"({self.scale_reason})"
+            f"layer_overhead_s={costs.layer_overhead_s:.3g}, optimizer_s_per_gb={costs.optimizer_s_per_gb:.3g}, FSDP "
+            f"per layer {costs.fsdp_layer_s * 1e3:.2f} ms (kept) / {costs.fsdp_reshard_layer_s * 1e3:.2f} ms "
+            f"(resharded) + optimizer {costs.fsdp_optimizer_layer_s * 1e3:.2f} ms; message latency "
+            f"{costs.latency_s * 1e3:.2f} ms{self._step_extras()}"
         )
 
 
@@ -599,7 +571,7 @@ def local_handoff_latency_s(world_size: int, *, burst_s: float = HANDOFF_BURST_S
 def _local_handoff(world_size: int, burst_s: float) -> float:
     port = free_port()
     code = (
-        "import sys, torch, torch.distributed as dist; from holmes_lightning.calibration import handoff; "
+        "import sys, torch, torch.distributed as dist; from holmes_lightning.measure.calibration import handoff; "
         "rank, world, port, burst = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]); "
         "torch.set_num_threads(1); "
         "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=world); "

@@ -1,4 +1,4 @@
-"""`python3 -m holmes_lightning.gpu_check`: does HolmesStrategy train on this machine's GPUs, over NCCL, in bf16?
+"""`python3 -m holmes_lightning.cli.gpu_check`: does HolmesStrategy train on this machine's GPUs, over NCCL, in bf16?
 
 Checks, one line each, exit code 1 if any fails:
   1. the environment: torch's CUDA and NCCL, the GPUs, bf16 support;
@@ -131,7 +131,7 @@ def run_job(device: str, processes: int, workdir: Path) -> tuple[str | None, dic
         "--standalone",
         f"--nproc-per-node={processes}",
         "-m",
-        "holmes_lightning.gpu_check",
+        "holmes_lightning.cli.gpu_check",
         "--worker",
         f"--device={device}",
         f"--report={report}",
@@ -224,7 +224,9 @@ def run_checks(device: str, processes: int | None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m holmes_lightning.gpu_check", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python3 -m holmes_lightning.cli.gpu_check", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the same checks on gloo")
     parser.add_argument("--processes", type=int, default=None, help="ranks of the last check (default: every GPU)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -1,4 +1,4 @@
-"""`python -m holmes_lightning.plan cluster=two_cluster_mixed model=gpt_7_5b [plan.out=plan.png]`: plan, don't run.
+"""`python -m holmes_lightning.cli.plan cluster=two_cluster_mixed model=gpt_7_5b [plan.out=plan.png]`: plan, don't run.
 
 Prints the topology (with the links between each pair of clusters), Holmes' plan (rank map, stages and their layers,
 DP groups with NIC kind and link speed) and the predicted step of Holmes next to the alternatives; `plan.verbose=true`
@@ -14,8 +14,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from holmes_lightning.config import PlanJobConfig, register_configs
-from holmes_lightning.planner import BatchSettings, ModelProfile, PlanError, compare
+from holmes_lightning.cli.config import PlanJobConfig, register_configs
+from holmes_lightning.planner import BatchSettings, ModelProfile, PlanError, compare_plans
 from holmes_lightning.planner.draw import draw_plans
 from holmes_lightning.planner.report import format_comparison, format_plan
 from holmes_lightning.planner.search import SearchStats
@@ -36,7 +36,9 @@ def run(config: PlanJobConfig) -> dict:
     )
     batch = BatchSettings(config.data.global_batch, strategy.microbatches)
     stats = SearchStats()
-    plans = compare(topology, profile, batch, strategy.plan_options(), stats)
+    plans = compare_plans(
+        topology, profile, batch, options=strategy.settings(), costs=strategy.machine_costs(), stats=stats
+    )
     if knobs.verbose:
         print(stats.summary() + "\n")
     print(format_plan(plans["holmes"], profile))

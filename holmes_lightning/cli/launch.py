@@ -21,9 +21,9 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from holmes_lightning.config import ConfigError, LabConfig, error_line, register_configs
+from holmes_lightning.cli.config import ConfigError, LabConfig, LabMode, error_line, register_configs
 from holmes_lightning.lab.run import run_in_lab
-from holmes_lightning.processes import launch
+from holmes_lightning.launch.processes import launch
 from holmes_lightning.topology import ClusterSpec, Topology, config_dir
 
 USAGE = (
@@ -47,7 +47,7 @@ class LaunchConfig:
 def start_ranks(command: Sequence[str], topology: Topology, lab: LabConfig | None = None) -> int:
     """The one way our tools start a job: every rank of `topology` runs `command` on this machine, in the lab's
     emulated network when `lab.mode` is "emulate"; returns the job's exit code."""
-    if lab is not None and lab.mode == "emulate":
+    if lab is not None and lab.mode is LabMode.emulate:
         return run_in_lab(topology, command, bandwidth_scale=lab.bandwidth_scale)
     return launch(command, topology)
 

@@ -1,0 +1,282 @@
+"""Before a job trains, its ranks agree on one Plan (HolmesStrategy's `setup` calls `agree_on_plan`).
+
+Rank 0 reads one sample of the model's inputs, profiles `pipeline_layers()` on it, calibrates this machine on them
+(`measure.calibration`; what needs every rank, a message between two and a step's closing collectives, is timed by
+all of them first) and plans for the job's Topology; every rank gets the plan and the calibration, or rank 0's error.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, replace
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.pytorch.trainer.states import TrainerFn
+
+from holmes_lightning.measure import calibration
+from holmes_lightning.measure.calibration import Calibration, handoff, step_collectives_s
+from holmes_lightning.measure.host import available_cores, rank_share
+from holmes_lightning.measure.profile import first_sample, profile_modules
+from holmes_lightning.planner import (
+    Backend,
+    BatchSettings,
+    LayerProfile,
+    LayoutKind,
+    MachineCosts,
+    ModelProfile,
+    PartitionRule,
+    Plan,
+    PlanOptions,
+    best_plan,
+)
+from holmes_lightning.planner.report import format_plan
+from holmes_lightning.runtime.pipeline import missing_contract, prediction_inputs, split_batch
+from holmes_lightning.runtime.placement import host_position
+from holmes_lightning.runtime.preemption import HolmesCheckpoint
+from holmes_lightning.topology import Topology
+
+LOOPS = {
+    TrainerFn.FITTING: ("fit_loop", "train_dataloader"),
+    TrainerFn.VALIDATING: ("validate_loop", "val_dataloader"),
+    TrainerFn.TESTING: ("test_loop", "test_dataloader"),
+    TrainerFn.PREDICTING: ("predict_loop", "predict_dataloader"),
+}
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What HolmesStrategy was asked for: plan settings, the batch, the machine's costs where it does not calibrate
+    them, whether to calibrate, and a plan or profile given instead of made."""
+
+    options: PlanOptions
+    batch: BatchSettings | None
+    costs: MachineCosts
+    calibrate: bool
+    plan: Plan | None = None
+    profile: ModelProfile | None = None
+
+
+@dataclass(frozen=True)
+class AgreedPlan:
+    """The job's plan, what calibration measured for it (None: not calibrated), and both in words for the log."""
+
+    plan: Plan
+    calibration: Calibration | None
+    description: str
+
+
+@dataclass(frozen=True)
+class JobPlace:
+    """Where this job runs: its Topology, this rank's device and collective library, and how to reach every rank."""
+
+    topology: Topology
+    device: torch.device
+    backend: Backend
+    local_rank: int
+    local_processes: int
+    broadcast: Callable[[Any], Any]  # rank 0's object on every rank
+
+
+def agree_on_plan(
+    request: PlanRequest,
+    *,
+    trainer: pl.Trainer,
+    place: JobPlace,
+    reading_data: Callable[[], AbstractContextManager],
+) -> AgreedPlan:
+    """Every rank calls it; all return rank 0's plan and calibration, or raise rank 0's error.
+
+    `reading_data`: entered while rank 0 reads one sample of the user's DataLoader (the strategy's data split must
+    answer then, before there is a plan).
+    """
+    module = trainer.lightning_module
+    calibrating = request.calibrate and request.plan is None and not missing_contract(module)
+    together = _measured_together(trainer, place.device) if calibrating else {}
+    alone = dist.new_group([0]) if calibrating else None  # FSDP2 is timed on a group of rank 0 alone
+    outcome: AgreedPlan | Exception | None = None
+    if dist.get_rank() == 0:
+        try:
+            outcome = _plan_on_rank_zero(
+                request, trainer=trainer, place=place, reading_data=reading_data, together=together, group=alone
+            )
+        except Exception as error:  # any failure must reach the other ranks, or they wait for the plan forever
+            outcome = error
+    outcome = place.broadcast(outcome)
+    if alone is not None and dist.get_rank() == 0:
+        dist.destroy_process_group(alone)
+    if isinstance(outcome, Exception):
+        raise outcome
+    assert outcome is not None
+    return outcome
+
+
+def _measured_together(trainer: pl.Trainer, device: torch.device) -> dict[str, float]:
+    """The `MachineCosts` every rank measures at once: a message's latency and CPU while all compute, and what a
+    pipelined step's closing collectives take."""
+    message = handoff(device)
+    closing = step_collectives_s(device, step_collectives(trainer))
+    return {"latency_s": message.latency_s, "message_cpu_s": message.cpu_s, "closing_s": closing}
+
+
+def _plan_on_rank_zero(
+    request: PlanRequest,
+    *,
+    trainer: pl.Trainer,
+    place: JobPlace,
+    reading_data: Callable[[], AbstractContextManager],
+    together: dict[str, float],
+    group: dist.ProcessGroup | None,
+) -> AgreedPlan:
+    module = trainer.lightning_module
+    sample = _model_sample(trainer, request, reading_data)
+    profile = request.profile or _profile(module, sample)
+    measured = None
+    if request.plan is not None:
+        chosen = _checked(request.plan, place.topology)
+    else:
+        if together and sample is not None:
+            measured = _calibrate(
+                module, sample, profile, place=place, together=together, group=group, assumed=request.costs
+            )
+        chosen = _make_plan(module, request, profile=profile, place=place, costs=measured.costs if measured else None)
+    description = format_plan(chosen, profile)
+    if measured is not None:
+        description += f"\n  calibrated: {measured.describe()}"
+    return AgreedPlan(chosen, measured, description)
+
+
+def _model_sample(
+    trainer: pl.Trainer, request: PlanRequest, reading_data: Callable[[], AbstractContextManager]
+) -> torch.Tensor | None:
+    """One sample's inputs (samples first) to profile and time `pipeline_layers()` on: `example_input_array`, else
+    one of the running entry point's DataLoader; None without pipeline layers or with a given profile.
+
+    The random state is left as it was, so rank 0 draws the same numbers afterwards as the ranks that did not.
+    """
+    module = trainer.lightning_module
+    if missing_contract(module) or (request.profile is not None and not request.calibrate):
+        return None
+    if torch.is_tensor(module.example_input_array):
+        return module.example_input_array
+    states = _collect_rng_states()
+    try:
+        with reading_data():
+            return _sample_inputs(trainer, type(module).__name__)
+    finally:
+        _set_rng_states(states)
+
+
+def _sample_inputs(trainer: pl.Trainer, model_name: str) -> torch.Tensor:
+    """The inputs of one sample of the DataLoader the running entry point (fit, validate, test, predict) reads."""
+    loop, hook = LOOPS[trainer.state.fn]
+    source = getattr(trainer, loop)._data_source
+    fix = (
+        f"set `self.example_input_array = <inputs of one batch, samples first>` in {model_name}.__init__, or pass "
+        f"HolmesStrategy(profile=...)"
+    )
+    if not source.is_defined():
+        raise ValueError(f"HolmesStrategy profiles pipeline_layers() on one sample, but there is no {hook}(); {fix}")
+    try:
+        loaders = source.dataloader()
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"HolmesStrategy reads one sample of {hook}() to profile the model before it plans, and that failed: "
+            f"{error}; {fix}"
+        ) from error
+    while isinstance(loaders, list | tuple | dict):  # several loaders: the first one's
+        loaders = next(iter(loaders.values())) if isinstance(loaders, dict) else loaders[0]
+    batch = first_sample(loaders)
+    return prediction_inputs(batch) if trainer.state.fn == TrainerFn.PREDICTING else split_batch(batch)[0]
+
+
+def _profile(module: pl.LightningModule, sample: torch.Tensor | None) -> ModelProfile:
+    """`pipeline_layers()` measured on `sample`; one layer of the whole model's bytes without them."""
+    if sample is None:
+        param_bytes = float(sum(p.numel() * p.element_size() for p in module.parameters()))
+        return ModelProfile(type(module).__name__, (LayerProfile("model", 0.0, 0.0, param_bytes, 0.0, 0.0),), 1)
+    states = _collect_rng_states()
+    try:
+        return profile_modules(module.pipeline_layers(), sample, name=type(module).__name__)
+    finally:
+        _set_rng_states(states)
+
+
+def _calibrate(
+    module: pl.LightningModule,
+    sample: torch.Tensor,
+    profile: ModelProfile,
+    *,
+    place: JobPlace,
+    together: dict[str, float],
+    group: dist.ProcessGroup | None,
+    assumed: MachineCosts,
+) -> Calibration:
+    """This rank's costs on the model (`calibration.measure`, cached per machine and model shape), compute as a
+    fraction of the configured speed of rank 0's device; what is not measured stays as `assumed`. CPU ranks that all
+    run on this host share its cores (the planner times that); spread over hosts, each is credited its share of its
+    host's cores."""
+    measured = calibration.measure(module.pipeline_layers(), sample, device=place.device, group=group)
+    topology = place.topology
+    share = 1.0
+    if place.device.type == "cpu":
+        host_ranks = host_position(os.environ, place.local_rank, place.local_processes)[1]
+        if host_ranks == topology.world_size:
+            assumed = replace(assumed, shared_cores=available_cores())
+        else:
+            share = rank_share(host_ranks)
+    peak = topology.node_of(0).device_tflops
+    return Calibration.of(measured, profile, share=share, peak_tflops=peak, assumed=assumed, **together)
+
+
+def _checked(given: Plan, topology: Topology) -> Plan:
+    if len(given.pp_links) != given.dp:
+        raise ValueError(
+            f"plan= (version {given.version}) does not say which link each pipeline group uses (pp_links); plan "
+            f"again with this version (holmes-plan ... plan.json=FILE, or HolmesStrategy without plan=)"
+        )
+    if given.world_size != topology.world_size:
+        raise ValueError(
+            f"plan= has {given.pp} stages x {given.dp} ranks = {given.world_size} ranks, but cluster "
+            f"{topology.name!r} has {topology.world_size}; plan for this cluster"
+        )
+    return given
+
+
+def _make_plan(
+    module: pl.LightningModule,
+    request: PlanRequest,
+    *,
+    profile: ModelProfile,
+    place: JobPlace,
+    costs: MachineCosts | None,
+) -> Plan:
+    """The best plan for the request on this job's hardware, at the calibrated `costs` (None: the request's)."""
+    topology = place.topology
+    options = replace(request.options, backend=place.backend)
+    costs = costs or request.costs
+    if missing_contract(module):  # pp=1: one FSDP group over every rank
+        batch = BatchSettings((request.batch or BatchSettings(topology.world_size)).global_batch)
+        whole = replace(options, layout=LayoutKind.flat_fsdp, pp=None, dp=None, partition=PartitionRule.auto)
+        found = best_plan(topology, profile, batch, options=whole, costs=costs)
+        return replace(found, notes=(*found.notes, "no pipeline contract (pipeline_layers): FSDP over all ranks"))
+    if request.batch is None:
+        raise ValueError(
+            "HolmesStrategy(global_batch=None): the planner needs the samples per optimizer step; pass "
+            "global_batch=<sequences per step over all DP replicas>"
+        )
+    return best_plan(topology, profile, request.batch, options=options, costs=costs)
+
+
+def step_collectives(trainer: pl.Trainer) -> int:
+    """The small collectives over every rank a pipelined training step runs after its schedule: the loss's
+    all-reduce, the training loop's broadcast of rank 0's stop signal (Lightning 2.5+), the clipping norm's
+    all-reduce, each HolmesCheckpoint's stop vote."""
+    count = 1 + hasattr(trainer.fit_loop.epoch_loop, "_broadcast_sigterm_tensor")
+    count += bool(trainer.gradient_clip_val) and trainer.gradient_clip_algorithm in (None, "norm")
+    return count + sum(isinstance(callback, HolmesCheckpoint) for callback in trainer.callbacks)
