@@ -1,8 +1,9 @@
 import math
 import re
-import time
+from types import SimpleNamespace
 
 import lightning as L
+import lightning.pytorch.callbacks.throughput_monitor as throughput_module
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,7 +13,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
-from holmes_lightning.config import ConfigError, DataConfig, ModelConfig, TrainerConfig, register_configs
+from holmes_lightning.cli.config import ConfigError, DataConfig, ModelConfig, TrainerConfig, register_configs
 from holmes_lightning.recipes import GPT, ByteCorpusDataModule, stdlib_corpus, throughput_monitor
 from holmes_lightning.recipes.data import ByteWindows, stdlib_sources
 from holmes_lightning.topology import config_dir
@@ -159,25 +160,32 @@ def test_shipped_model_and_trainer_configs_validate():
             assert config.trainer.max_steps > config.trainer.warmup_steps
 
 
-class PauseAtStep(L.Callback):
-    """Sleeps `seconds` after step `step`, as a checkpoint save would, and counts them like `HolmesCheckpoint`."""
+class StepClock(L.Callback):
+    """The monitors' clock, moved by events instead of wall time: each step takes 1 s, and after step `pause_after`
+    a checkpoint save takes `pause_s` more, counted as `HolmesCheckpoint` counts its saves."""
 
-    def __init__(self, step: int, seconds: float) -> None:
-        self.step, self.seconds, self.saving_s = step, seconds, 0.0
+    def __init__(self, pause_after: int, pause_s: float) -> None:
+        self.now, self.pause_after, self.pause_s, self.saving_s = 0.0, pause_after, pause_s, 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def on_train_batch_start(self, *_args: object) -> None:
+        self.now += 1.0
 
     def on_train_batch_end(self, trainer: L.Trainer, *_args: object) -> None:
-        if trainer.global_step == self.step:
-            time.sleep(self.seconds)
-            self.saving_s += self.seconds
+        if trainer.global_step == self.pause_after:
+            self.now += self.pause_s  # the save runs after both monitors' step end
+            self.saving_s += self.pause_s
 
 
-def test_the_throughput_monitor_leaves_out_paused_seconds_as_it_leaves_out_validation():
-    model = tiny_gpt()
-    pause = PauseAtStep(step=3, seconds=0.3)
+def test_the_throughput_monitor_leaves_out_paused_seconds_as_it_leaves_out_validation(monkeypatch):
+    model, clock = tiny_gpt(), StepClock(pause_after=3, pause_s=7.0)
+    monkeypatch.setattr(throughput_module, "time", SimpleNamespace(perf_counter=clock))  # its clock alone
     counted = throughput_monitor(model, 8, 1, window=4)
-    paused = throughput_monitor(model, 8, 1, window=4, paused_s=lambda: pause.saving_s)
-    # the pause runs after both monitors' step ends, as a save does
-    trainer = quiet_trainer(max_steps=6, limit_val_batches=0, callbacks=[counted, paused, pause])
+    paused = throughput_monitor(model, 8, 1, window=4, paused_s=lambda: clock.saving_s)
+    trainer = quiet_trainer(max_steps=6, limit_val_batches=0, callbacks=[counted, paused, clock])
     trainer.fit(model, ByteCorpusDataModule(seq_len=16, global_batch=8, corpus_bytes=50_000))
-    elapsed = [monitor._throughputs[RunningStage.TRAINING]._time[-1] for monitor in (counted, paused)]
-    assert elapsed[0] - elapsed[1] == pytest.approx(0.3, abs=0.02)  # both clocks read the same steps otherwise
+    counted_s, paused_s = (monitor._throughputs[RunningStage.TRAINING]._time for monitor in (counted, paused))
+    assert paused_s == [3.0, 4.0, 5.0, 6.0]  # the window's last four steps, one second each: the save left out
+    assert counted_s == [3.0, 11.0, 12.0, 13.0]  # the save's 7 s counted from the step after it
