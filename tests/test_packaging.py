@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import site
 import subprocess
 import sys
 import zipfile
@@ -49,7 +50,11 @@ def test_wheel_installs_and_plans_outside_the_repository(tmp_path):
     assert not [name for name in names if name.split("/")[0] in ("recipes", "conf", "tests")]
 
     venv = tmp_path / "venv"
-    run(sys.executable, "-m", "venv", "--system-site-packages", venv, cwd=elsewhere)
+    run(sys.executable, "-m", "venv", venv, cwd=elsewhere)
+    # the wheel's dependencies from wherever this interpreter has them (a venv or the system), not reinstalled: its
+    # site directories as plain paths, so the checkout's own editable install there does not come along
+    (inner,) = (venv / "lib").glob("python*/site-packages")
+    (inner / "outer_packages.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     run(venv / "bin" / "python", "-m", "pip", "install", "--no-deps", "-q", wheel, cwd=elsewhere)
     imported = run(
         venv / "bin" / "python", "-c", "import holmes_lightning; print(holmes_lightning.__file__)", cwd=elsewhere
