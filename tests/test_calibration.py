@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from holmes_lightning.measure import calibration
+from holmes_lightning.measure import calibration, together
 from holmes_lightning.measure.calibration import Calibration, Measurement
 from holmes_lightning.planner import LayerProfile, MachineCosts, ModelProfile
 from holmes_lightning.runtime import HolmesStrategy
@@ -133,11 +133,11 @@ def test_layers_without_parameters_are_timed_and_small_layers_on_more_samples(tm
 @pytest.mark.slow
 def test_the_latency_of_local_ranks_is_measured_in_processes_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv(calibration.CACHE_ENV, str(tmp_path))
-    latency = calibration.local_handoff_latency_s(2)
+    latency = together.local_handoff_latency_s(2)
     assert 0 < latency < 1
     assert len(list(tmp_path.glob("handoff-*.json"))) == 1
-    assert calibration.local_handoff_latency_s(2) == latency
-    assert calibration.local_handoff_latency_s(1) == 0.0
+    assert together.local_handoff_latency_s(2) == latency
+    assert together.local_handoff_latency_s(1) == 0.0
 
 
 def test_how_long_each_layer_is_timed_comes_from_the_environment_or_the_default(monkeypatch):

@@ -23,7 +23,7 @@ from holmes_lightning.cli.config import ModelConfig
 from holmes_lightning.lab.design import MAX_LAB_MBIT
 from holmes_lightning.lab.run import run_in_lab
 from holmes_lightning.lab.scale import default_bandwidth_scale, fastest_link_gbps
-from holmes_lightning.measure import available_cores, calibration, profile_modules
+from holmes_lightning.measure import available_cores, calibration, profile_modules, together
 from holmes_lightning.measure.calibration import Calibration
 from holmes_lightning.planner import MachineCosts, ModelProfile
 from holmes_lightning.recipes import GPT
@@ -65,7 +65,7 @@ def calibrate(
     sample = torch.zeros(1, model.seq_len, dtype=torch.long)
     layers = gpt(model).pipeline_layers()
     measured = calibration.measure(layers, sample, device=torch.device("cpu"), seconds=seconds, fresh=fresh)
-    latency = calibration.local_handoff_latency_s(hybrid.world_size)
+    latency = together.local_handoff_latency_s(hybrid.world_size)
     scale, reason = (scale, "bench.bandwidth_scale") if scale is not None else default_bandwidth_scale(hybrid)
     costs = Calibration.of(
         measured,
@@ -79,12 +79,12 @@ def calibrate(
 
 
 def lab_transfer_cpu_s_per_byte(hybrid: Topology) -> float:
-    """What the lab's links cost this machine's cores per byte moved: `calibration.transfer_cpu_s_per_byte` run by
+    """What the lab's links cost this machine's cores per byte moved: `together.transfer_cpu_s_per_byte` run by
     `hybrid`'s ranks in the lab, links at half the fastest rate it shapes exactly; cached per machine and rank count."""
     scale = MAX_LAB_MBIT / 1000 / fastest_link_gbps(hybrid) / 2
     code = (
         "import sys, torch.distributed as dist; "
-        "from holmes_lightning.measure.calibration import transfer_cpu_s_per_byte; "
+        "from holmes_lightning.measure.together import transfer_cpu_s_per_byte; "
         "dist.init_process_group('gloo'); cost = transfer_cpu_s_per_byte(); "
         "dist.get_rank() or open(sys.argv[1], 'w').write(repr(cost)); dist.destroy_process_group()"
     )
@@ -96,8 +96,8 @@ def lab_transfer_cpu_s_per_byte(hybrid: Topology) -> float:
                 raise RuntimeError("measuring what the lab's links cost the cores failed; the ranks' output is above")
             return float(result.read_text())
 
-    return calibration.cached_measurement(
-        "lab-transfer", [hybrid.world_size, calibration.TRANSFER_BYTES, calibration.TRANSFER_ROUNDS], measure
+    return together.cached_measurement(
+        "lab-transfer", [hybrid.world_size, together.TRANSFER_BYTES, together.TRANSFER_ROUNDS], measure
     )
 
 

@@ -20,9 +20,10 @@ from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.trainer.states import TrainerFn
 
 from holmes_lightning.measure import calibration
-from holmes_lightning.measure.calibration import Calibration, handoff, step_collectives_s
+from holmes_lightning.measure.calibration import Calibration
 from holmes_lightning.measure.host import available_cores, rank_share
 from holmes_lightning.measure.profile import first_sample, profile_modules
+from holmes_lightning.measure.together import handoff, step_collectives_s
 from holmes_lightning.planner import (
     Backend,
     BatchSettings,
