@@ -1,0 +1,125 @@
+"""The three kinds of pipeline layer a transformers causal LM is cut into: embedding, decoder layer, head.
+
+Each wraps the HF model's own submodules (its parameters are the model's) and passes on only tensors:
+the embedding maps `(input_ids, attention_mask, position_ids)` to `(hidden_states, attention_mask, position_ids)`,
+each decoder layer maps that triple to the next one, recomputing from the 2-D attention mask and the position ids
+what HF's model forward computes once (the 4-D mask with transformers' own mask helpers, the rotary cos/sin), and the
+head maps it to logits. `hf_keys` names, for each entry of a layer's `state_dict()`, the HF state-dict keys of that
+tensor (more than one where weights are tied, the first being the one HF saves).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+Hidden = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (hidden_states, attention_mask, position_ids)
+MASKS: dict[str, Callable[..., torch.Tensor | None]] = {
+    "full_attention": create_causal_mask,
+    "sliding_attention": create_sliding_window_causal_mask,
+}
+
+
+class HFEmbedding(nn.Module):
+    """Token embedding (+ learned position embedding) (x embedding multiplier) (+ dropout), as the HF model applies."""
+
+    def __init__(
+        self,
+        tokens: nn.Module,
+        positions: nn.Embedding | None,
+        dropout: nn.Dropout | None,
+        multiplier: float | None,
+    ) -> None:
+        super().__init__()
+        self.tokens = tokens
+        self.positions = positions
+        self.dropout = dropout
+        self.multiplier = multiplier
+        self.hf_keys: dict[str, tuple[str, ...]] = {}
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> Hidden:
+        hidden_states = self.tokens(input_ids)
+        if self.positions is not None:
+            hidden_states = hidden_states + self.positions(position_ids)
+        if self.multiplier is not None:
+            hidden_states = hidden_states * self.multiplier
+        if self.dropout is not None:
+            hidden_states = self.dropout(hidden_states)
+        return hidden_states, attention_mask, position_ids
+
+
+class HFDecoderLayer(nn.Module):
+    """One HF decoder layer, given the 4-D mask of its `layer_type` and, where the family has one, rotary cos/sin.
+
+    A 2-D mask of all ones is passed to the mask helper as no mask: the runtime fills an absent mask with ones, and
+    HF then also detects packed sequences from position ids that restart.
+    """
+
+    def __init__(
+        self,
+        block: nn.Module,
+        config: PretrainedConfig,
+        layer_type: str,
+        rotary: nn.Module | None,
+        rotary_by_type: bool,
+    ) -> None:
+        super().__init__()
+        self.block = block
+        self.rotary = rotary
+        self.config = config
+        self.layer_type = layer_type
+        self.rotary_by_type = rotary_by_type  # the rotary module takes the layer type (Gemma3: local and global rope)
+        self.hf_keys: dict[str, tuple[str, ...]] = {}
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> Hidden:
+        padding = None if bool(attention_mask.all()) else attention_mask
+        mask = MASKS[self.layer_type](
+            config=self.config,
+            inputs_embeds=hidden_states,
+            attention_mask=padding,
+            cache=None,
+            position_ids=position_ids,
+        )
+        extra = {}
+        if self.rotary is not None:
+            by_type = (self.layer_type,) if self.rotary_by_type else ()
+            extra["position_embeddings"] = self.rotary(hidden_states, position_ids, *by_type)
+        out = self.block(hidden_states, attention_mask=mask, position_ids=position_ids, **extra)
+        return (out[0] if isinstance(out, tuple) else out), attention_mask, position_ids
+
+
+class HFHead(nn.Module):
+    """Final norm, LM head, then the family's logit scaling and soft-capping: hidden states -> logits (B, T, V)."""
+
+    def __init__(
+        self,
+        norm: nn.Module,
+        lm_head: nn.Module,
+        *,
+        logit_scale: float | None,
+        logits_divisor: float | None,
+        softcap: float | None,
+    ) -> None:
+        super().__init__()
+        self.norm = norm
+        self.lm_head = lm_head
+        self.logit_scale = logit_scale  # Cohere: logits * logit_scale
+        self.logits_divisor = logits_divisor  # Granite: logits / logits_scaling
+        self.softcap = softcap  # Gemma 2 and 3: softcap * tanh(logits / softcap)
+        self.hf_keys: dict[str, tuple[str, ...]] = {}
+
+    def forward(
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        logits = self.lm_head(self.norm(hidden_states))
+        if self.logit_scale is not None:
+            logits = logits * self.logit_scale
+        if self.logits_divisor is not None:
+            logits = logits / self.logits_divisor
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
