@@ -1,0 +1,162 @@
+"""`HFCausalLM`: a transformers decoder-only causal LM as a LightningModule that HolmesStrategy can pipeline.
+
+Batches are dicts as HF's data collators make them: `input_ids` and `labels` (B, T), optionally `attention_mask`
+and `position_ids`. The loss is HF's causal-LM loss: labels shifted inside it, -100 not counted.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from huggingface_hub import snapshot_download
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from holmes_lightning import init_layers
+from holmes_lightning.hf.checkpoint import SafetensorsCheckpoint, hf_state_dict, write_pretrained
+from holmes_lightning.hf.structure import hf_pipeline_layers
+
+IGNORE_INDEX = -100  # labels HF's loss does not count
+
+
+def counted_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """How many tokens HF's causal-LM loss counts: the labels after the shift that are not -100."""
+    return (labels[..., 1:] != IGNORE_INDEX).sum()
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """HF's `ForCausalLMLoss`: mean float32 cross-entropy of logits[t] against labels[t + 1]; 0 when none counts."""
+    targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    summed = F.cross_entropy(
+        logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    return summed / counted_tokens(labels).clamp(min=1)
+
+
+class HFCausalLM(L.LightningModule):
+    """A transformers decoder-only `*ForCausalLM`, trained on dict batches with AdamW.
+
+    `source`: a model instance (trained from its weights), a `PretrainedConfig` (random weights: HF's initialisation,
+    each pipeline layer from its own seed), or a local directory or hub name (weights read layer by layer from its
+    safetensors). Build it under the meta device (`with torch.device("meta"):`) and HolmesStrategy allocates only a
+    rank's layers and fills them with `init_layer`. The HF model (`hf_model`) is not a registered submodule: its
+    tensors are those of `layers`, the pipeline layers, which the strategy keeps or drops per stage.
+    """
+
+    def __init__(
+        self,
+        source: nn.Module | PretrainedConfig | str | os.PathLike,
+        *,
+        learning_rate: float = 3e-4,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore="source")
+        self.pretrained: SafetensorsCheckpoint | None = None
+        if isinstance(source, nn.Module):
+            hf_model = source
+        elif isinstance(source, PretrainedConfig):
+            hf_model = AutoModelForCausalLM.from_config(source)
+        else:
+            directory = _local_directory(source)
+            self.pretrained = SafetensorsCheckpoint(directory)
+            hf_model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
+        self.__dict__["hf_model"] = hf_model  # unregistered (see the class docstring)
+        self.layers = nn.ModuleList(hf_pipeline_layers(hf_model))
+        self.layer_hf_keys = [layer.hf_keys for layer in self.layers]  # kept when the strategy drops layers
+        if not isinstance(source, nn.Module):
+            init_layers(self)  # each layer from its own seed, or from the checkpoint; on meta, the strategy does it
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        """[embedding, decoder layer x num_hidden_layers, head]; see `holmes_lightning.hf.layers`."""
+        return list(self.layers)
+
+    def pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """HF's causal-LM loss of one micro-batch: the mean over its counted tokens."""
+        return causal_lm_loss(logits, labels)
+
+    def pipeline_loss_weight(self, labels: torch.Tensor) -> torch.Tensor:
+        """The number of tokens `pipeline_loss` averages over (int64)."""
+        return counted_tokens(labels)
+
+    @torch.no_grad()
+    def init_layer(self, layer: nn.Module) -> None:
+        """Fill one pipeline layer: from the checkpoint when built from one, else with HF's `_init_weights`."""
+        if self.pretrained is None:
+            for module in layer.modules():
+                self.hf_model._init_weights(module)
+            return
+        for module in layer.modules():  # tensors no checkpoint holds: rotary frequencies, embedding scales
+            if module._non_persistent_buffers_set:
+                self.hf_model._init_weights(module)
+        targets = layer.state_dict(keep_vars=True)
+        for name, tensor in self.pretrained.read(layer.hf_keys).items():
+            targets[name].copy_(tensor)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits (B, T, V) of the layers applied in order; absent mask and positions filled as HF (and the runtime)."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.size(1), device=input_ids.device).expand_as(input_ids)
+        out = (input_ids, attention_mask, position_ids)
+        for layer in self.layers:
+            out = layer(*out)
+        return out
+
+    def _loss(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        logits = self(batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids"))
+        return self.pipeline_loss(logits, batch["labels"])
+
+    def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        hp = self.hparams
+        matrices = [p for p in self.parameters() if p.dim() >= 2]  # weights and embeddings decay; biases, norms don't
+        vectors = [p for p in self.parameters() if p.dim() < 2]
+        groups = [{"params": matrices, "weight_decay": hp.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=hp.learning_rate, betas=hp.betas, fused=True)
+
+    def save_pretrained(
+        self, directory: str | os.PathLike, layer_states: Sequence[Mapping[str, torch.Tensor]] | None = None
+    ) -> None:
+        """Write an HF directory (`AutoModelForCausalLM.from_pretrained` loads it) from each layer's full tensors.
+
+        `layer_states[i]`: pipeline layer i's state dict, gathered in full; default: the layers here (all of them).
+        """
+        if layer_states is None:
+            layer_states = [layer.state_dict() for layer in self.layers]
+        hf_model = self.hf_model
+        write_pretrained(
+            directory,
+            hf_state_dict(self.layer_hf_keys, layer_states),
+            config=hf_model.config,
+            architecture=type(hf_model).__name__,
+            generation_config=hf_model.generation_config if hf_model.can_generate() else None,
+        )
+
+
+def _local_directory(source: str | os.PathLike) -> Path:
+    """`source` itself when it is a directory, else the hub model of that name (its json and safetensors files)."""
+    if Path(source).is_dir():
+        return Path(source)
+    return Path(snapshot_download(str(source), allow_patterns=["*.json", "*.safetensors"]))
