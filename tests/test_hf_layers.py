@@ -62,7 +62,7 @@ def tiny_model(family: str) -> nn.Module:
 
 @st.composite
 def batches(draw: st.DrawFn) -> dict[str, torch.Tensor]:
-    """Token ids, padded on the right or the left (each row keeps a token), with or without the mask and position keys."""
+    """Token ids padded on the right or the left (each row keeps a token), with or without mask and position keys."""
     size, length = draw(st.integers(1, 3)), draw(st.integers(1, 12))
     generator = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
     input_ids = torch.randint(3, VOCAB, (size, length), generator=generator)
