@@ -115,7 +115,9 @@ def _layer_types(name: str, config: PretrainedConfig, count: int) -> list[str]:
     layer_types = list(getattr(config, "layer_types", None) or [default] * count)[:count]
     unknown = sorted(set(layer_types) - set(MASKS))
     if unknown:
-        raise UnrecognisedModelError(f"{name}: layer types {unknown} are not supported (only {list(MASKS)})")
+        raise UnrecognisedModelError(
+            f"{name}: layer types {unknown} are not supported (only {list(MASKS)}); {HAND_WRITTEN}"
+        )
     return layer_types
 
 
