@@ -30,8 +30,8 @@ from holmes_lightning.planner import PlanError
 from holmes_lightning.recipes import GPT, ByteCorpusDataModule, RunSummary, throughput_monitor
 from holmes_lightning.runtime import HolmesStrategy
 from holmes_lightning.runtime.checkpoint import CheckpointError
+from holmes_lightning.runtime.contract import ContractError
 from holmes_lightning.runtime.environment import default_environment
-from holmes_lightning.runtime.pipeline import ContractError
 from holmes_lightning.runtime.preemption import HolmesCheckpoint
 from holmes_lightning.topology import Topology, TopologyError, config_dir
 

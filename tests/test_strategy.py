@@ -6,6 +6,9 @@ the address-bound gloo backend (as the lab binds them to each node's addresses).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -20,7 +23,7 @@ from torch import nn
 from holmes_lightning import HolmesStrategy
 from holmes_lightning.cli.validate import collective_backend
 from holmes_lightning.planner import Plan, PlanOptions, Sharding, StagePlan, StepPrediction
-from holmes_lightning.runtime.pipeline import ContractError
+from holmes_lightning.runtime.contract import ContractError
 from holmes_lightning.runtime.planning import step_collectives
 from holmes_lightning.runtime.preemption import HolmesCheckpoint
 from holmes_lightning.topology import LinkKind, NICKind
@@ -205,7 +208,7 @@ def test_pipeline_without_the_contract_says_what_to_add() -> None:
 
 
 def test_batches_must_be_inputs_and_targets() -> None:
-    from holmes_lightning.runtime.pipeline import split_batch
+    from holmes_lightning.runtime.contract import split_batch
 
     with pytest.raises(ContractError, match="batches of the form \\(inputs, targets\\)"):
         split_batch({"inputs": torch.zeros(2)})
@@ -241,10 +244,26 @@ def test_train_py_plans_for_the_backend_its_ranks_use() -> None:
     assert [collective_backend(name) for name in ("cpu", "gpu", "cuda")] == ["gloo", "nccl", "nccl"]
 
 
-def test_strategy_name_is_registered() -> None:
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    assert StrategyRegistry["holmes"]["strategy"] is HolmesStrategy
+@pytest.mark.parametrize("order", [("holmes_lightning", "lightning"), ("lightning", "holmes_lightning")])
+def test_importing_the_package_registers_strategy_holmes_with_lightning(order: tuple[str, str], tmp_path) -> None:
+    """In a fresh interpreter, whichever is imported first: `Trainer(strategy="holmes")` builds HolmesStrategy on
+    $HOLMES_CLUSTER; a cluster that does not exist is refused naming it; the planner alone loads no Lightning."""
+    first, second = (
+        ("holmes_lightning", "lightning") if order == "holmes_lightning first" else ("lightning", "holmes_lightning")
+    )
+    code = (
+        f"import sys, {first}, {second}; import lightning as L; "
+        "s = L.Trainer(strategy='holmes', accelerator='cpu', devices=2, logger=False).strategy; "
+        "print(type(s).__name__, s.cluster)"
+    )
+    environment = {**os.environ, "HOLMES_CLUSTER": "single_node"}
+    done = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True, cwd=tmp_path)
+    assert done.stdout.split() == ["HolmesStrategy", "single_node"], done.stderr[-2000:]
+    environment["HOLMES_CLUSTER"] = "no_such_cluster"
+    done = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode != 0 and "no_such_cluster" in done.stderr
+    alone = "import sys, holmes_lightning.planner; print('lightning' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", alone], capture_output=True, text=True).stdout.strip() == "False"
 
 
 @pytest.mark.parametrize(

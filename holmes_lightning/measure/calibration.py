@@ -41,6 +41,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
+from holmes_lightning.measure.layer_io import Flow, apply, backward, detached, moved, nbytes, repeated, samples, shapes
 from holmes_lightning.planner import MachineCosts, ModelProfile
 
 FIT_SAMPLES = (1, 4)  # forward + backward is timed at 1 sample and at 4 or, for a small layer, a multiple of it
@@ -174,7 +175,7 @@ class Calibration:
 
 def measure(
     layers: Sequence[nn.Module],
-    sample: torch.Tensor,
+    sample: Flow,
     *,
     device: torch.device,
     seconds: float | None = None,
@@ -231,14 +232,14 @@ def device_name(device: torch.device) -> str:
     return f"cpu:{models[0] if models else platform.processor()} x{os.cpu_count()}"
 
 
-def _cache_key(layers: Sequence[nn.Module], sample: torch.Tensor, device: torch.device) -> str:
+def _cache_key(layers: Sequence[nn.Module], sample: Flow, device: torch.device) -> str:
     shape = {
         "version": CACHE_VERSION,
         "device": device_name(device),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "samples": [FIT_SAMPLES, SLOPE_RATIO, MAX_SLOPE_BYTES],
-        "sample": [list(sample.shape[1:]), str(sample.dtype)],
+        "sample": shapes(sample),
         "layers": [_signature(layer) for layer in layers],
     }
     return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:24]
@@ -272,14 +273,14 @@ def _measure(
     threads = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(1)  # a lab rank is one thread
-    times: dict[str, tuple[_LayerTimes, torch.Tensor]] = {}
+    times: dict[str, tuple[_LayerTimes, Flow]] = {}
     total: list[_LayerTimes] = []
-    x = sample[:1].to(device)  # one sample: FIT_SAMPLES sets the batch sizes timed
+    x = moved(samples(sample, 1), device)  # one sample: FIT_SAMPLES sets the batch sizes timed
     try:
         random_state = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
         with random_state, _single_rank_mesh(device, group) as mesh:
             for layer in layers:
-                key = json.dumps([_signature(layer), list(x.shape), str(x.dtype)])
+                key = json.dumps([_signature(layer), shapes(x)])
                 if key not in times:
                     times[key] = _time_layer(layer, x, mesh=mesh, device=device, seconds=seconds)
                 layer_times, x = times[key]
@@ -298,8 +299,8 @@ def _measure(
 
 
 def _time_layer(
-    layer: nn.Module, x: torch.Tensor, *, mesh: DeviceMesh, device: torch.device, seconds: float
-) -> tuple[_LayerTimes, torch.Tensor]:
+    layer: nn.Module, x: Flow, *, mesh: DeviceMesh, device: torch.device, seconds: float
+) -> tuple[_LayerTimes, Flow]:
     """One layer's times (medians of rounds over `seconds`, every kind of pass in each), and its output on one sample
     (the next layer's input)."""
     plain, kept, resharded = (_copy_on(layer, device) for _ in range(3))
@@ -308,7 +309,7 @@ def _time_layer(
     kept.set_requires_gradient_sync(False)  # a pipeline's micro-batches: gradients accumulate, weights stay gathered
     kept.set_reshard_after_backward(False)
     few, many = FIT_SAMPLES[0], _slope_samples(plain, x, device)
-    inputs = {n: _repeated(x, n) for n in (few, many)}
+    inputs = {n: repeated(x, n) for n in (few, many)}
     runs: dict[str, list[float]] = {name: [] for name in ("few", "many", "kept", "resharded", "adam", "adam_fsdp")}
     optimizers = {id(net): _adamw(net) for net in (plain, resharded)}
     start, rounds = time.perf_counter(), 0
@@ -323,7 +324,7 @@ def _time_layer(
     median = {name: statistics.median(values[1:]) for name, values in runs.items()}
     per_sample = max(median["many"] - median["few"], 0.0) / (many - few)
     with torch.no_grad():
-        out = plain(x)
+        out = apply(plain, x)
     return (
         _LayerTimes(
             per_sample_s=per_sample,
@@ -333,28 +334,23 @@ def _time_layer(
             fsdp_reshard_s=max(median["resharded"] - median["few"], 0.0),
             fsdp_optimizer_s=max(median["adam_fsdp"] - median["adam"], 0.0),
         ),
-        out.detach(),
+        detached(out),
     )
 
 
-def _slope_samples(net: nn.Module, x: torch.Tensor, device: torch.device) -> int:
+def _slope_samples(net: nn.Module, x: Flow, device: torch.device) -> int:
     """The sample count to time beside 1 sample: `FIT_SAMPLES[1]`, doubled while its pass takes less than
     `SLOPE_RATIO` x the 1-sample pass's and its output stays under `MAX_SLOPE_BYTES`."""
 
     def fastest_s(samples: int) -> float:
-        return min(_pass_s(net, _repeated(x, samples), device) for _ in range(3))
+        return min(_pass_s(net, repeated(x, samples), device) for _ in range(3))
 
     with torch.no_grad():
-        sample_bytes = net(x).nbytes
+        sample_bytes = nbytes(apply(net, x))
     one_s, many = fastest_s(1), FIT_SAMPLES[1]
     while 2 * many * sample_bytes <= MAX_SLOPE_BYTES and fastest_s(many) < SLOPE_RATIO * one_s:
         many *= 2
     return many
-
-
-def _repeated(x: torch.Tensor, samples: int) -> torch.Tensor:
-    """A batch of `samples` copies of the one sample `x`."""
-    return x.expand(samples, *x.shape[1:]).contiguous()
 
 
 def _copy_on(layer: nn.Module, device: torch.device) -> nn.Module:
@@ -369,13 +365,12 @@ def _copy_on(layer: nn.Module, device: torch.device) -> nn.Module:
     return twin
 
 
-def _pass_s(net: nn.Module, inputs: torch.Tensor, device: torch.device) -> float:
+def _pass_s(net: nn.Module, inputs: Flow, device: torch.device) -> float:
     """Seconds of one forward + backward (gradient of ones at the output), gradients left in the parameters."""
-    inputs = inputs.detach().requires_grad_(True) if inputs.is_floating_point() else inputs
+    inputs = detached(inputs, requires_grad=True)
     synchronize(device)
     start = time.perf_counter()
-    out = net(inputs)
-    out.backward(torch.ones_like(out))
+    backward(apply(net, inputs))
     synchronize(device)
     return time.perf_counter() - start
 

@@ -17,13 +17,15 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.flop_counter import FlopCounterMode
 
+from holmes_lightning.measure.layer_io import Flow, apply, as_tuple, backward, detached, moved, nbytes
 from holmes_lightning.planner.profile import LayerProfile, ModelProfile
 
 
 def profile_modules(
-    modules: Sequence[nn.Module], sample: torch.Tensor, name: str = "model", time_repeats: int = 0
+    modules: Sequence[nn.Module], sample: Flow, name: str = "model", time_repeats: int = 0
 ) -> ModelProfile:
-    """Profile `modules` applied in sequence to one micro-batch `sample` (samples first).
+    """Profile `modules` applied in sequence to one micro-batch `sample` (samples first; a tuple of tensors is the
+    first layer's several inputs).
 
     `time_repeats > 0` also times each layer's forward and backward (median of that many runs) on this machine;
     the seconds then stand for the topology's fastest device (`measured_tflops=None`). On meta layers the sample
@@ -33,10 +35,9 @@ def profile_modules(
     return ModelProfile(name, tuple(layers), tokens_per_sample=tokens)
 
 
-def measure_layers(
-    modules: list[nn.Module], sample: torch.Tensor, time_repeats: int = 0
-) -> tuple[list[LayerProfile], int]:
-    """Per-sample profiles of `modules` applied in order to `sample` (batch first), and the tokens per sample.
+def measure_layers(modules: list[nn.Module], sample: Flow, time_repeats: int = 0) -> tuple[list[LayerProfile], int]:
+    """Per-sample profiles of `modules` applied in order to `sample` (batch first), and the tokens per sample (the
+    first input's elements per sample: token ids).
 
     The last layer's stash also counts two tensors of its output's size: the output itself, which the pipeline keeps
     for the loss, and what the loss keeps for its backward (cross-entropy's log-probabilities).
@@ -45,13 +46,13 @@ def measure_layers(
         raise ValueError("profile_modules: the module list is empty; pass the model's pipeline_layers()")
     on_meta = any(p.is_meta for module in modules for p in module.parameters())
     if on_meta:
-        sample, time_repeats = sample.to("meta"), 0
-    batch = sample.shape[0]
-    tokens = sample[0].numel()
+        sample, time_repeats = moved(sample, "meta"), 0
+    first = as_tuple(sample)[0]
+    batch, tokens = first.shape[0], first[0].numel()
     layers = []
     x = sample
     for index, module in enumerate(modules):
-        inputs = x.detach().requires_grad_(True) if x.is_floating_point() else x
+        inputs = detached(x, requires_grad=True)
         try:
             forward_flops, backward_flops, stash, out = _count(module, inputs)
         except (NotImplementedError, RuntimeError) as error:
@@ -64,7 +65,7 @@ def measure_layers(
             ) from error
         seconds = _time(module, inputs, time_repeats) if time_repeats > 0 else (None, None)
         param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-        output_bytes = out.numel() * out.element_size()
+        output_bytes = nbytes(out)
         if index == len(modules) - 1:
             stash += 2 * output_bytes
         layers.append(
@@ -79,11 +80,11 @@ def measure_layers(
                 backward_s=None if seconds[1] is None else seconds[1] / batch,
             )
         )
-        x = out.detach()
+        x = detached(out)
     return layers, tokens
 
 
-def _count(module: nn.Module, inputs: torch.Tensor) -> tuple[float, float, float, torch.Tensor]:
+def _count(module: nn.Module, inputs: Flow) -> tuple[float, float, float, Flow]:
     """Forward FLOPs, backward FLOPs, bytes autograd saves for backward (parameters excluded), and the output.
 
     Saved tensors count once per storage they hold (views of one tensor share it), which also works on meta tensors.
@@ -99,22 +100,22 @@ def _count(module: nn.Module, inputs: torch.Tensor) -> tuple[float, float, float
 
     hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
     with torch.enable_grad(), hooks, FlopCounterMode(display=False) as forward_counter:
-        out = module(inputs)
+        out = apply(module, inputs)
     with FlopCounterMode(display=False) as backward_counter:
-        out.backward(torch.ones_like(out))
+        backward(out)
     module.zero_grad(set_to_none=True)
     return forward_counter.get_total_flops(), backward_counter.get_total_flops(), float(sum(saved.values())), out
 
 
-def _time(module: nn.Module, inputs: torch.Tensor, repeats: int) -> tuple[float, float]:
+def _time(module: nn.Module, inputs: Flow, repeats: int) -> tuple[float, float]:
     """Median forward and backward seconds over `repeats` runs, after one warm-up run."""
     forwards, backwards = [], []
     for _ in range(repeats + 1):
         start = time.perf_counter()
         with torch.enable_grad():
-            out = module(inputs)
+            out = apply(module, inputs)
         middle = time.perf_counter()
-        out.backward(torch.ones_like(out))
+        backward(out)
         forwards.append(middle - start)
         backwards.append(time.perf_counter() - middle)
     module.zero_grad(set_to_none=True)

@@ -180,6 +180,14 @@ class BatchSettings:
     global_batch: int
     microbatches: int | None = None
 
+    @classmethod
+    def requested(cls, global_batch: int | None, microbatches: int | None) -> BatchSettings | None:
+        """The batch settings a caller gave, or None without a global batch (then without micro-batches too)."""
+        if global_batch is None and microbatches is not None:
+            fix = "also give global_batch=<samples per optimizer step>: micro-batches split it"
+            raise SettingError(cls.__name__, "microbatches", microbatches, fix)
+        return None if global_batch is None else cls(global_batch, microbatches)
+
     def __post_init__(self) -> None:
         check_fields(
             self,

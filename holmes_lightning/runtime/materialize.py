@@ -23,7 +23,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from holmes_lightning.runtime.pipeline import ContractError
+from holmes_lightning.runtime.contract import ContractError
+from holmes_lightning.runtime.ties import Tie, later_holders, relink
 
 
 def layer_seed(seed: int, index: int) -> int:
@@ -80,15 +81,24 @@ def meta_twins(layers: Sequence[nn.Module], owned: Iterable[int]) -> dict[int, n
 
 
 def materialize(
-    model: nn.Module, *, layers: Sequence[nn.Module], twins: dict[int, nn.Module], device: torch.device, seed: int
+    model: nn.Module,
+    *,
+    layers: Sequence[nn.Module],
+    twins: dict[int, nn.Module],
+    device: torch.device,
+    seed: int,
+    ties: Sequence[Tie] = (),
 ) -> None:
     """Allocate the owned layers' tensors on `device` (FSDP: the local shard only), then fill each from its twin.
 
     `twins` (from `meta_twins`, before sharding) name the owned layers; they are used up. Each twin is allocated in
     full on the CPU, initialised, copied in (DTensor parameters take their local shard) and dropped before the next.
+    A weight several owned layers hold (`ties`) stays one parameter, with its first holder's values.
     """
     for index in twins:
         layers[index]._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+    relink(layers, ties, set(twins))
+    taken = later_holders(ties, set(twins))
     stray = [name for name, t in chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
     if stray:
         raise ContractError(
@@ -98,14 +108,17 @@ def materialize(
     for index in list(twins):
         twin = twins.pop(index).to_empty(device="cpu")  # dropped after its copy: one full layer at a time
         init_layer(model, twin, index=index, seed=seed)
-        _copy_into(layers[index], twin)
+        _copy_into(layers[index], twin, skip=taken.get(index, set()))
 
 
 @torch.no_grad()
-def _copy_into(layer: nn.Module, twin: nn.Module) -> None:
-    """Copy a full twin's values into `layer`; a DTensor takes its local part (split here, no communication)."""
-    sources = dict(chain(twin.named_parameters(), twin.named_buffers()))
-    for name, target in chain(layer.named_parameters(), layer.named_buffers()):
+def _copy_into(layer: nn.Module, twin: nn.Module, skip: set[str]) -> None:
+    """Copy a full twin's values into `layer` but for `skip`; a DTensor takes its local part (split here, no
+    communication)."""
+    sources = dict(chain(twin.named_parameters(remove_duplicate=False), twin.named_buffers()))
+    for name, target in chain(layer.named_parameters(remove_duplicate=False), layer.named_buffers()):
+        if name in skip:
+            continue
         source = sources[name]
         if isinstance(target, DTensor):
             source = distribute_tensor(source, target.device_mesh, target.placements, src_data_rank=None).to_local()

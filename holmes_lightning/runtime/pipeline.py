@@ -14,82 +14,22 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle, get_schedule_class
 
 from holmes_lightning.planner import Plan
+from holmes_lightning.runtime.contract import Inputs, LossWeight
 from holmes_lightning.runtime.sharding import GradientSync
+from holmes_lightning.runtime.ties import TiedCopies
 
-CONTRACT = ("pipeline_layers", "pipeline_loss")
 T = TypeVar("T")
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-class ContractError(TypeError):
-    """The LightningModule cannot be split into pipeline stages; the message says what to add."""
+class LayerChain(nn.Sequential):
+    """A stage's run of pipeline layers: each gets the previous one's output, a tuple as several arguments."""
 
-
-def missing_contract(module: nn.Module) -> list[str]:
-    return [name for name in CONTRACT if not callable(getattr(module, name, None))]
-
-
-def check_contract(module: nn.Module, pp: int) -> None:
-    missing = missing_contract(module)
-    if missing:
-        raise ContractError(
-            f"HolmesStrategy with pp={pp} pipeline stages needs {type(module).__name__} to define "
-            f"{' and '.join(missing)}: add `def pipeline_layers(self) -> list[nn.Module]` (ordered modules whose "
-            f"sequential application maps inputs to outputs) and `def pipeline_loss(self, outputs, targets) -> "
-            f"Tensor` (mean loss of one micro-batch); batches must be (inputs, targets). Or train with pp=1."
-        )
-
-
-def check_automatic_optimization(module: nn.Module, pipeline: str) -> None:
-    if not module.automatic_optimization:
-        raise ValueError(
-            f"HolmesStrategy with {pipeline} needs Lightning's automatic optimization: the pipeline schedule runs "
-            f"forward and backward itself, and Lightning steps the optimizers, clips and accumulates around it; remove "
-            f"`self.automatic_optimization = False` from {type(module).__name__} (and its manual optimizer calls), "
-            f"or train without a pipeline: HolmesStrategy(pp=1) with a schedule that is not interleaved"
-        )
-
-
-def split_batch(batch: object) -> tuple[torch.Tensor, torch.Tensor]:
-    if not (isinstance(batch, tuple | list) and len(batch) == 2 and all(torch.is_tensor(t) for t in batch)):
-        raise ContractError(
-            f"HolmesStrategy pipelines batches of the form (inputs, targets), two tensors with the samples first; "
-            f"got {type(batch).__name__}; make the dataloader yield (inputs, targets)"
-        )
-    return batch[0], batch[1]
-
-
-def prediction_inputs(batch: object) -> torch.Tensor:
-    """The inputs of a predict batch: the batch itself when it is a tensor, else the first of (inputs[, targets])."""
-    if torch.is_tensor(batch):
-        return batch
-    if isinstance(batch, tuple | list) and len(batch) in (1, 2) and all(torch.is_tensor(t) for t in batch):
-        return batch[0]
-    raise ContractError(
-        f"HolmesStrategy predicts from batches that are an inputs tensor, (inputs,) or (inputs, targets), the samples "
-        f"first; got {type(batch).__name__}; make the predict DataLoader yield one of these"
-    )
-
-
-def keep_owned_layers(module: nn.Module, layers: Sequence[nn.Module], owned: set[int]) -> None:
-    """Detach the layers this rank does not own from `module`: its parameters, optimizer and checkpoint skip them."""
-    parents = {id(child): (parent, name) for parent in module.modules() for name, child in parent.named_children()}
-    for index, layer in enumerate(layers):
-        if id(layer) not in parents:
-            raise ContractError(
-                f"pipeline_layers()[{index}] ({type(layer).__name__}) is not a submodule of {type(module).__name__}; "
-                f"return the module's own layers (assigned as attributes or in an nn.ModuleList) so they train"
-            )
-        if index not in owned:
-            parent, name = parents[id(layer)]
-            setattr(parent, name, None)
-    kept = {id(p) for i in owned for p in layers[i].parameters()}
-    stray = [name for name, p in module.named_parameters() if id(p) not in kept]
-    if stray:
-        raise ContractError(
-            f"parameters {stray[:5]} of {type(module).__name__} belong to no layer of this stage; every parameter "
-            f"must live in exactly one of pipeline_layers() (weights tied across stages are not supported)"
-        )
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        flow: torch.Tensor | tuple[torch.Tensor, ...] = inputs
+        for layer in self:
+            flow = layer(*flow) if isinstance(flow, tuple) else layer(flow)
+        return flow
 
 
 @dataclass(frozen=True)
@@ -150,9 +90,12 @@ class Pipeline:
     """This rank's chunks as PipelineStages and the plan's schedule; one schedule per micro-batch shape for eval.
 
     The chunks come parallelized (`sharding.parallelize`); `gradient_syncs` are what it left to run after each
-    schedule step (the gradient averaging of pipelined replicas). The last stage's outputs (logits: GBs at a real
+    schedule step (the gradient averaging of pipelined replicas, then the gradient sum of `tied`, this rank's copies
+    of weights tied across stages). The last stage's outputs (logits: GBs at a real
     vocabulary x sequence) are kept only for a step that asks for them (`keep_outputs`), and nothing a step computed
-    stays in the stages after it.
+    stays in the stages after it. With `loss_weight` (the module's `pipeline_loss_weight`) each micro-batch's loss
+    counts by its weight over the weights of the whole global batch (summed over `dp_group`, the replicas of this
+    stage): the step's loss and gradients are those of the global batch's mean over its counted units.
     """
 
     def __init__(
@@ -164,8 +107,11 @@ class Pipeline:
         pp_group: dist.ProcessGroup,
         device: torch.device,
         loss_fn: LossFn,
+        loss_weight: LossWeight | None = None,
+        dp_group: dist.ProcessGroup | None = None,
         gradient_syncs: Sequence[GradientSync] = (),
         hop_groups: Mapping[int, dist.ProcessGroup] | None = None,
+        tied: TiedCopies | None = None,
     ) -> None:
         self.plan = plan
         self.stage = stage
@@ -174,11 +120,15 @@ class Pipeline:
         self.hop_groups = dict(hop_groups or {})
         self.device = device
         self.loss_fn = loss_fn
+        self.loss_weight = loss_weight
+        self.dp_group = dp_group
         self.gradient_syncs = list(gradient_syncs)
+        self.tied = tied
         self.fsdp_modules = [m for chunk in self.chunks for m in chunk.modules() if isinstance(m, FSDPModule)]
         self.schedule_class = get_schedule_class(plan.schedule)
-        self.train_schedule = self._schedule(loss_fn)
-        self._forward_schedules: dict[tuple[tuple[int, ...], bool], _Schedule] = {}
+        self.train_schedule = self._schedule(with_loss=True)
+        self._forward_schedules: dict[tuple[tuple[tuple[int, ...], ...], bool], _Schedule] = {}
+        self._weight_scale: torch.Tensor | None = None  # micro-batches x replicas / the global batch's weight
 
     @property
     def is_first(self) -> bool:
@@ -193,7 +143,8 @@ class Pipeline:
         """The stage that runs the last virtual stage: its rank in the pipeline group (groups follow stage order)."""
         return next(stage for stage in range(self.plan.pp) if self.plan.holds_last(stage))
 
-    def _schedule(self, loss_fn: LossFn | None) -> _Schedule:
+    def _schedule(self, *, with_loss: bool) -> _Schedule:
+        loss_fn = self._loss if with_loss else None
         virtual = self.plan.virtual_stages(self.stage)
         stages = [
             HopStage(chunk, index, self.plan.num_virtual_stages, self.device, self.pp_group, self.hop_groups)
@@ -204,46 +155,67 @@ class Pipeline:
             return _Schedule(self.schedule_class(stages[0], n_microbatches=microbatches, loss_fn=loss_fn), stages)
         return _Schedule(self.schedule_class(stages, n_microbatches=microbatches, loss_fn=loss_fn), stages)
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, *, keep_outputs: bool = False) -> StepResult:
+    def _loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's loss as the schedule backpropagates it: the module's, weighted where it weighs."""
+        loss = self.loss_fn(outputs, targets)
+        if self._weight_scale is None:
+            return loss
+        return loss * self.loss_weight(targets) * self._weight_scale
+
+    def _weigh(self, targets: torch.Tensor | None) -> None:
+        """Before a step, on the last stage: what each micro-batch's weight counts for in the global batch."""
+        self._weight_scale = None
+        if self.loss_weight is None or targets is None or not self.is_last:
+            return
+        chunks = targets.to(self.device).chunk(self.plan.microbatches)
+        total = torch.stack([self.loss_weight(chunk).to(torch.float64) for chunk in chunks]).sum()
+        if self.dp_group is not None:
+            dist.all_reduce(total, group=self.dp_group)
+        self._weight_scale = len(chunks) * self.plan.dp / total.clamp(min=1)
+
+    def train_step(self, inputs: Inputs, targets: torch.Tensor, *, keep_outputs: bool = False) -> StepResult:
         """Forward and backward of one replica batch; gradients land in the stage's parameters."""
-        if inputs.shape[0] != self.plan.replica_batch:
+        samples = inputs[0].shape[0]
+        if samples != self.plan.replica_batch:
             raise ValueError(
-                f"a training batch has {inputs.shape[0]} samples per DP replica but the plan needs "
+                f"a training batch has {samples} samples per DP replica but the plan needs "
                 f"{self.plan.microbatches} micro-batches x {self.plan.microbatch_size} = {self.plan.replica_batch}; "
                 f"give the train DataLoader batch_size=strategy.replica_batch_size (global batch / dp), drop_last=True"
             )
         for module in self.fsdp_modules:  # every stage gathers now, not when its first micro-batch arrives
             module.unshard(async_op=True)  # FSDP's pre-forward waits for it
+        self._weigh(targets)
         local, outputs = self._run(self.train_schedule, inputs, targets, keep_outputs=keep_outputs, backward=True)
         for sync in self.gradient_syncs:
             sync()
         return StepResult(shared_loss(local, self.plan.dp, self.device), outputs)
 
-    def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor, *, keep_outputs: bool = False) -> StepResult:
+    def eval_step(self, inputs: Inputs, targets: torch.Tensor, *, keep_outputs: bool = False) -> StepResult:
         """Forward only, in the plan's micro-batches (any batch size they divide)."""
+        self._weigh(targets)
         local, outputs = self._forward(inputs, targets, keep_outputs=keep_outputs, purpose="an evaluation")
         return StepResult(shared_loss(local, self.plan.dp, self.device), outputs)
 
-    def predict_step(self, inputs: torch.Tensor) -> torch.Tensor | None:
+    def predict_step(self, inputs: Inputs) -> torch.Tensor | None:
         """Forward only, no loss: the last stage's outputs (None on the other stages)."""
         return self._forward(inputs, None, keep_outputs=True, purpose="a prediction")[1]
 
     def _forward(
-        self, inputs: torch.Tensor, targets: torch.Tensor | None, *, keep_outputs: bool, purpose: str
+        self, inputs: Inputs, targets: torch.Tensor | None, *, keep_outputs: bool, purpose: str
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         microbatches = self.plan.microbatches
-        if inputs.shape[0] % microbatches:
+        if inputs[0].shape[0] % microbatches:
             raise ValueError(
-                f"{purpose} batch has {inputs.shape[0]} samples per DP replica, which does not split into the "
+                f"{purpose} batch has {inputs[0].shape[0]} samples per DP replica, which does not split into the "
                 f"plan's {microbatches} micro-batches; use a batch size that is a multiple of {microbatches} and "
                 f"drop_last=True in its DataLoader"
             )
         if self.plan.pp == 1:  # every virtual stage is here: run the chunks in order (torch's eval trips on this)
             result = self._run_locally(inputs, targets, keep_outputs=keep_outputs)
         else:
-            key = (tuple(inputs.shape), targets is not None)
+            key = (tuple(tuple(t.shape) for t in inputs), targets is not None)
             if key not in self._forward_schedules:  # stage buffers are sized by the first micro-batch they see
-                self._forward_schedules[key] = self._schedule(self.loss_fn if targets is not None else None)
+                self._forward_schedules[key] = self._schedule(with_loss=targets is not None)
             result = self._run(self._forward_schedules[key], inputs, targets, keep_outputs=keep_outputs)
         for module in self.fsdp_modules:
             module.reshard()  # no backward follows to free the gathered weights
@@ -252,7 +224,7 @@ class Pipeline:
     def _run(
         self,
         schedule: _Schedule,
-        inputs: torch.Tensor,
+        inputs: Inputs,
         targets: torch.Tensor | None,
         *,
         keep_outputs: bool,
@@ -261,7 +233,7 @@ class Pipeline:
         """One schedule call: the mean loss of this rank's micro-batches and the merged outputs (None off the last
         stage, or when not kept)."""
         losses: list[torch.Tensor] = []
-        first = (inputs.to(self.device),) if self.is_first else ()
+        first = tuple(t.to(self.device) for t in inputs) if self.is_first else ()
         target = targets.to(self.device) if targets is not None and self.is_last else None
         call = schedule.runner.step if backward else schedule.runner.eval
         kept = losses if targets is not None else None  # prediction: no loss function, no losses
@@ -271,16 +243,17 @@ class Pipeline:
         return _mean(losses), outputs
 
     def _run_locally(
-        self, inputs: torch.Tensor, targets: torch.Tensor | None, *, keep_outputs: bool
+        self, inputs: Inputs, targets: torch.Tensor | None, *, keep_outputs: bool
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         losses, outputs = [], []
         microbatches = self.plan.microbatches
         target_chunks = targets.to(self.device).chunk(microbatches) if targets is not None else [None] * microbatches
-        for x, y in zip(inputs.to(self.device).chunk(microbatches), target_chunks, strict=True):
+        input_chunks = zip(*(t.to(self.device).chunk(microbatches) for t in inputs), strict=True)
+        for x, y in zip(input_chunks, target_chunks, strict=True):
             for chunk in self.chunks:
-                x = chunk(x)
+                x = chunk(*x) if isinstance(x, tuple) else chunk(x)
             if y is not None:
-                losses.append(self.loss_fn(x, y))
+                losses.append(self._loss(x, y))
             if keep_outputs:
                 outputs.append(x)
         return _mean(losses), torch.cat(outputs) if outputs else None

@@ -8,7 +8,7 @@ all of them first) and plans for the job's Topology; every rank gets the plan an
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -22,6 +22,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from holmes_lightning.measure import calibration
 from holmes_lightning.measure.calibration import Calibration
 from holmes_lightning.measure.host import available_cores, rank_share
+from holmes_lightning.measure.layer_io import as_tuple
 from holmes_lightning.measure.profile import first_sample, profile_modules
 from holmes_lightning.measure.together import handoff, step_collectives_s
 from holmes_lightning.planner import (
@@ -37,7 +38,7 @@ from holmes_lightning.planner import (
     best_plan,
 )
 from holmes_lightning.planner.report import format_plan
-from holmes_lightning.runtime.pipeline import missing_contract, prediction_inputs, split_batch
+from holmes_lightning.runtime.contract import Inputs, dict_inputs, missing_contract, prediction_inputs, split_batch
 from holmes_lightning.runtime.placement import host_position
 from holmes_lightning.runtime.preemption import HolmesCheckpoint
 from holmes_lightning.topology import Topology
@@ -154,17 +155,19 @@ def _plan_on_rank_zero(
 
 def _model_sample(
     trainer: pl.Trainer, request: PlanRequest, reading_data: Callable[[], AbstractContextManager]
-) -> torch.Tensor | None:
-    """One sample's inputs (samples first) to profile and time `pipeline_layers()` on: `example_input_array`, else
-    one of the running entry point's DataLoader; None without pipeline layers or with a given profile.
+) -> Inputs | None:
+    """One sample's inputs to the first layer (samples first) to profile and time `pipeline_layers()` on:
+    `example_input_array` (a tensor, a tuple of them, or a dict batch), else one sample of the running entry point's
+    DataLoader; None without pipeline layers or with a given profile.
 
     The random state is left as it was, so rank 0 draws the same numbers afterwards as the ranks that did not.
     """
     module = trainer.lightning_module
     if missing_contract(module) or (request.profile is not None and not request.calibrate):
         return None
-    if torch.is_tensor(module.example_input_array):
-        return module.example_input_array
+    example = module.example_input_array
+    if example is not None:
+        return dict_inputs(example) if isinstance(example, Mapping) else as_tuple(example)
     states = _collect_rng_states()
     try:
         with reading_data():
@@ -173,7 +176,7 @@ def _model_sample(
         _set_rng_states(states)
 
 
-def _sample_inputs(trainer: pl.Trainer, model_name: str) -> torch.Tensor:
+def _sample_inputs(trainer: pl.Trainer, model_name: str) -> Inputs:
     """The inputs of one sample of the DataLoader the running entry point (fit, validate, test, predict) reads."""
     loop, hook = LOOPS[trainer.state.fn]
     source = getattr(trainer, loop)._data_source
@@ -196,7 +199,7 @@ def _sample_inputs(trainer: pl.Trainer, model_name: str) -> torch.Tensor:
     return prediction_inputs(batch) if trainer.state.fn == TrainerFn.PREDICTING else split_batch(batch)[0]
 
 
-def _profile(module: pl.LightningModule, sample: torch.Tensor | None) -> ModelProfile:
+def _profile(module: pl.LightningModule, sample: Inputs | None) -> ModelProfile:
     """`pipeline_layers()` measured on `sample`; one layer of the whole model's bytes without them."""
     if sample is None:
         param_bytes = float(sum(p.numel() * p.element_size() for p in module.parameters()))
@@ -210,7 +213,7 @@ def _profile(module: pl.LightningModule, sample: torch.Tensor | None) -> ModelPr
 
 def _calibrate(
     module: pl.LightningModule,
-    sample: torch.Tensor,
+    sample: Inputs,
     profile: ModelProfile,
     *,
     place: JobPlace,

@@ -1,0 +1,58 @@
+"""What flows between pipeline layers, for measuring them: one tensor or a tuple of tensors (e.g. hidden states, the
+padding mask and position ids), samples first. A layer is called with the previous output unpacked."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+Flow = torch.Tensor | tuple[torch.Tensor, ...]  # a layer's input or output
+
+
+def as_tuple(flow: Flow) -> tuple[torch.Tensor, ...]:
+    return flow if isinstance(flow, tuple) else (flow,)
+
+
+def apply(layer: nn.Module, flow: Flow) -> Flow:
+    """`layer` on `flow`: a tuple is passed as several arguments."""
+    return layer(*as_tuple(flow))
+
+
+def detached(flow: Flow, *, requires_grad: bool = False) -> Flow:
+    """`flow` cut from its graph; floating tensors then require gradients when asked (a layer's input)."""
+    tensors = tuple(t.detach().requires_grad_(requires_grad and t.is_floating_point()) for t in as_tuple(flow))
+    return tensors if isinstance(flow, tuple) else tensors[0]
+
+
+def backward(flow: Flow) -> None:
+    """Backward from every floating output that needs a gradient, with a gradient of ones."""
+    outputs = [t for t in as_tuple(flow) if t.requires_grad]
+    torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+
+
+def nbytes(flow: Flow) -> int:
+    return sum(t.numel() * t.element_size() for t in as_tuple(flow))
+
+
+def samples(flow: Flow, count: int) -> Flow:
+    """The first `count` samples of every tensor."""
+    tensors = tuple(t[:count] for t in as_tuple(flow))
+    return tensors if isinstance(flow, tuple) else tensors[0]
+
+
+def repeated(flow: Flow, count: int) -> Flow:
+    """A batch of `count` copies of the one sample in `flow`."""
+    tensors = tuple(t.expand(count, *t.shape[1:]).contiguous() for t in as_tuple(flow))
+    return tensors if isinstance(flow, tuple) else tensors[0]
+
+
+def moved(flow: Flow, device: torch.device | str) -> Flow:
+    tensors = tuple(t.to(device) for t in as_tuple(flow))
+    return tensors if isinstance(flow, tuple) else tensors[0]
+
+
+def shapes(flow: Flow) -> Sequence[list]:
+    """Per tensor: its shape per sample and dtype (what a layer's cost depends on besides the layer)."""
+    return [[list(t.shape[1:]), str(t.dtype)] for t in as_tuple(flow)]

@@ -1,0 +1,142 @@
+"""What a LightningModule must be for HolmesStrategy to pipeline it, and the batches it takes.
+
+- `pipeline_layers()`: its layers in order. Layer k+1 is called with layer k's output, a tuple unpacked into several
+  arguments (e.g. hidden states, the padding mask and position ids); the first layer with the batch's inputs.
+- `pipeline_loss(outputs, targets)`: the mean loss of one micro-batch. With `pipeline_loss_weight(targets)` (how
+  many units that mean is over, e.g. the tokens not ignored) a step's loss is weighted by it across micro-batches and
+  replicas: the loss of the whole global batch, as one process computes it.
+- Batches: `(inputs, targets)` (two tensors, samples first), or a dict as HF's collators make it: `input_ids`,
+  `labels`, optionally `attention_mask` and `position_ids`; the first layer then gets
+  `(input_ids, attention_mask, position_ids)`, an absent mask as ones and absent positions as `0..T-1` (HF's defaults).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+CONTRACT = ("pipeline_layers", "pipeline_loss")
+DICT_INPUTS = ("input_ids", "attention_mask", "position_ids")
+DICT_TARGETS = "labels"
+Inputs = tuple[torch.Tensor, ...]  # the first layer's arguments
+LossWeight = Callable[[torch.Tensor], torch.Tensor]
+
+
+class ContractError(TypeError):
+    """The LightningModule cannot be split into pipeline stages; the message says what to add."""
+
+
+def missing_contract(module: nn.Module) -> list[str]:
+    return [name for name in CONTRACT if not callable(getattr(module, name, None))]
+
+
+def loss_weight(module: nn.Module) -> LossWeight | None:
+    """The module's `pipeline_loss_weight`, if it weighs its micro-batches' losses."""
+    weight = getattr(module, "pipeline_loss_weight", None)
+    return weight if callable(weight) else None
+
+
+def check_contract(module: nn.Module, pp: int) -> None:
+    missing = missing_contract(module)
+    if missing:
+        raise ContractError(
+            f"HolmesStrategy with pp={pp} pipeline stages needs {type(module).__name__} to define "
+            f"{' and '.join(missing)}: add `def pipeline_layers(self) -> list[nn.Module]` (ordered modules whose "
+            f"sequential application maps inputs to outputs) and `def pipeline_loss(self, outputs, targets) -> "
+            f"Tensor` (mean loss of one micro-batch); batches are (inputs, targets) or dicts of input_ids and labels. "
+            f"Or train with pp=1."
+        )
+
+
+def check_automatic_optimization(module: nn.Module, pipeline: str) -> None:
+    if not module.automatic_optimization:
+        raise ValueError(
+            f"HolmesStrategy with {pipeline} needs Lightning's automatic optimization: the pipeline schedule runs "
+            f"forward and backward itself, and Lightning steps the optimizers, clips and accumulates around it; remove "
+            f"`self.automatic_optimization = False` from {type(module).__name__} (and its manual optimizer calls), "
+            f"or train without a pipeline: HolmesStrategy(pp=1) with a schedule that is not interleaved"
+        )
+
+
+def check_precision(precision: str) -> None:
+    """Refuse fp16 with loss scaling: Lightning's GradScaler is not sharding-aware."""
+    if precision == "16-mixed":
+        raise ValueError(
+            "HolmesStrategy cannot train with precision='16-mixed': its GradScaler is not sharding-aware (each "
+            "FSDP shard and pipeline stage would check for inf/NaN and skip steps on its own); use "
+            "precision='bf16-mixed' (no loss scaling needed) or '32-true'"
+        )
+
+
+def split_batch(batch: object) -> tuple[Inputs, torch.Tensor]:
+    """A training or evaluation batch as the first layer's inputs and the loss's targets."""
+    if isinstance(batch, Mapping):
+        if DICT_TARGETS not in batch:
+            raise ContractError(
+                f"a dict batch needs {DICT_TARGETS!r} for the loss; got keys {sorted(batch)}; add the labels (HF's "
+                f"DataCollatorForLanguageModeling(mlm=False) does), or yield (inputs, targets)"
+            )
+        return dict_inputs(batch), batch[DICT_TARGETS]
+    if isinstance(batch, tuple | list) and len(batch) == 2 and all(torch.is_tensor(t) for t in batch):
+        return (batch[0],), batch[1]
+    raise ContractError(
+        f"HolmesStrategy pipelines batches of the form (inputs, targets), two tensors with the samples first, or "
+        f"dicts of input_ids and labels (optionally attention_mask, position_ids); got {type(batch).__name__}; make "
+        f"the DataLoader yield one of these"
+    )
+
+
+def prediction_inputs(batch: object) -> Inputs:
+    """The inputs of a predict batch: a tensor, (inputs,) or (inputs, targets), or a dict (its labels unused)."""
+    if torch.is_tensor(batch):
+        return (batch,)
+    if isinstance(batch, Mapping):
+        return dict_inputs(batch)
+    if isinstance(batch, tuple | list) and len(batch) in (1, 2) and all(torch.is_tensor(t) for t in batch):
+        return (batch[0],)
+    raise ContractError(
+        f"HolmesStrategy predicts from batches that are an inputs tensor, (inputs,), (inputs, targets) or a dict of "
+        f"input_ids, samples first; got {type(batch).__name__}; make the predict DataLoader yield one of these"
+    )
+
+
+def dict_inputs(batch: Mapping[str, torch.Tensor]) -> Inputs:
+    """`(input_ids, attention_mask, position_ids)` of a dict batch, absent ones as HF's model forward makes them."""
+    unknown = sorted(set(batch) - {*DICT_INPUTS, DICT_TARGETS})
+    if "input_ids" not in batch or unknown:
+        raise ContractError(
+            f"a dict batch holds input_ids, labels and optionally attention_mask, position_ids; got keys "
+            f"{sorted(batch)}; drop {unknown or 'nothing'}{'' if 'input_ids' in batch else ', add input_ids'} in the "
+            f"DataLoader's collate_fn"
+        )
+    ids = batch["input_ids"]
+    mask = batch.get("attention_mask")
+    positions = batch.get("position_ids")
+    if mask is None:
+        mask = torch.ones_like(ids)
+    if positions is None:
+        positions = torch.arange(ids.shape[-1], device=ids.device).expand_as(ids).contiguous()
+    return ids, mask, positions
+
+
+def keep_owned_layers(module: nn.Module, layers: Sequence[nn.Module], owned: set[int]) -> None:
+    """Detach the layers this rank does not own from `module`: its parameters, optimizer and checkpoint skip them."""
+    parents = {id(child): (parent, name) for parent in module.modules() for name, child in parent.named_children()}
+    for index, layer in enumerate(layers):
+        if id(layer) not in parents:
+            raise ContractError(
+                f"pipeline_layers()[{index}] ({type(layer).__name__}) is not a submodule of {type(module).__name__}; "
+                f"return the module's own layers (assigned as attributes or in an nn.ModuleList) so they train"
+            )
+        if index not in owned:
+            parent, name = parents[id(layer)]
+            setattr(parent, name, None)
+    kept = {id(p) for i in owned for p in layers[i].parameters()}
+    stray = [name for name, p in module.named_parameters() if id(p) not in kept]
+    if stray:
+        raise ContractError(
+            f"parameters {stray[:5]} of {type(module).__name__} belong to no layer of this stage; every parameter "
+            f"must live in one of pipeline_layers()"
+        )
