@@ -4,7 +4,7 @@ in pipeline stages."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -13,10 +13,12 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from holmes_lightning.planner import Plan
+from holmes_lightning.runtime.contract import check_contract, keep_owned_layers, loss_weight, missing_contract
 from holmes_lightning.runtime.groups import PlanMesh
 from holmes_lightning.runtime.materialize import is_meta, materialize, meta_twins
-from holmes_lightning.runtime.pipeline import Pipeline, check_contract, keep_owned_layers, missing_contract
+from holmes_lightning.runtime.pipeline import LayerChain, Pipeline
 from holmes_lightning.runtime.sharding import parallelize
+from holmes_lightning.runtime.ties import Tie, TiedCopies, across_stages
 
 
 def assemble(
@@ -27,10 +29,11 @@ def assemble(
     device: torch.device,
     mp_policy: MixedPrecisionPolicy,
     seed: Callable[[], int],
+    ties: Sequence[Tie] = (),
 ) -> Pipeline | None:
     """Make `module` this rank's part of `plan`; the Pipeline that runs its stage, or None without a pipeline (the
     module's own steps then run, FSDP2 or replicas over the DP mesh). `seed`: rank 0's seed, asked for (on every
-    rank) only when layers are on the meta device."""
+    rank) only when layers are on the meta device. `ties`: the weights several of its layers hold (`find_ties`)."""
     layers = [] if missing_contract(module) else list(module.pipeline_layers())
     if len(layers) not in (0, plan.num_layers):
         raise ValueError(
@@ -48,15 +51,18 @@ def assemble(
     if not plan.is_pipelined:
         # 2. shard (or replicate) over the stage's DP mesh, 3. allocate and initialise
         parallelize(module, layers=layers, mesh=mesh.dp_mesh, plan=plan, mp_policy=mp_policy)
-        _materialize(module, layers=layers, twins=twins, device=device, seed=seed)
+        _materialize(module, layers=layers, twins=twins, device=device, seed=seed, ties=ties)
         return None
     # virtual stages, possibly all on this rank (pp=1, Interleaved1F1B): 2. shard each chunk, 3. allocate, initialise
-    chunks = [nn.Sequential(*layers[start:stop]) for start, stop in stage.chunks]
+    chunks = [LayerChain(*layers[start:stop]) for start, stop in stage.chunks]
     syncs = [
         parallelize(chunk, layers=list(chunk), mesh=mesh.dp_mesh, plan=plan, mp_policy=mp_policy) for chunk in chunks
     ]
-    _materialize(module, layers=layers, twins=twins, device=device, seed=seed)
-    # 4. the stage's pipeline stages and schedule
+    _materialize(module, layers=layers, twins=twins, device=device, seed=seed, ties=ties)
+    # 4. copies of weights tied across stages start equal and sum their gradients; 5. the pipeline stages, schedule
+    tied = TiedCopies(across_stages(ties, plan), layers, set(owned), mesh.tie_groups)
+    tied.broadcast_values()
+    syncs.append(tied.sum_gradients if tied.copies else None)
     return Pipeline(
         plan=plan,
         stage=mesh.stage,
@@ -64,8 +70,11 @@ def assemble(
         pp_group=mesh.pp_group,
         device=device,
         loss_fn=module.pipeline_loss,
+        loss_weight=loss_weight(module),
+        dp_group=mesh.dp_group if plan.dp > 1 else None,
         gradient_syncs=[sync for sync in syncs if sync is not None],
         hop_groups=mesh.hop_groups,
+        tied=tied,
     )
 
 
@@ -76,12 +85,13 @@ def _materialize(
     twins: dict[int, nn.Module],
     device: torch.device,
     seed: Callable[[], int],
+    ties: Sequence[Tie],
 ) -> None:
     """Meta layers: this rank's shards, each layer initialised from its own seed (rank 0's) as on one process.
 
     A meta model without `pipeline_layers()` gets Lightning's treatment: each submodule's `reset_parameters()`.
     """
     if twins:
-        materialize(module, layers=layers, twins=twins, device=device, seed=seed())
+        materialize(module, layers=layers, twins=twins, device=device, seed=seed(), ties=ties)
     else:
         _materialize_distributed_module(module, device)

@@ -14,6 +14,7 @@ ranks on that fabric instead (`hop_groups`), as the cost model times them: only 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -164,6 +165,7 @@ class PlanMesh:
     dp_transport: Transport
     pp_transport: Transport
     hop_groups: dict[int, dist.ProcessGroup]  # peer rank -> the group of this rank and that neighbour (`hop_groups`)
+    tie_groups: dict[int, dist.ProcessGroup]  # tie -> the group of its copies in this rank's DP column (`tie_groups`)
 
     @property
     def dp_mesh(self) -> DeviceMesh:
@@ -178,10 +180,29 @@ class PlanMesh:
         return self.mesh["dp"].get_group()
 
 
+def tie_groups(plan: Plan, topology: Topology, tied_stages: Sequence[tuple[int, ...]]) -> list[tuple[int, GroupSpec]]:
+    """Per weight tied across stages (`tied_stages[t]`: the stages holding it, its first holder's first) and DP
+    column, the group of the ranks holding its copies: (tie, group)."""
+    layout = plan.mesh_layout()
+    specs = []
+    for tie, stages in enumerate(tied_stages):
+        for d in range(plan.dp):
+            ranks = tuple(layout[s][d] for s in stages)
+            specs.append((tie, GroupSpec(f"tie{tie}:{d}", ranks, topology.slowest_link(ranks, rdma=plan.rdma).kind)))
+    return specs
+
+
 def build_mesh(
-    plan: Plan, *, environment: NICGroupingEnvironment, device: torch.device, backend: str, timeout: timedelta
+    plan: Plan,
+    *,
+    environment: NICGroupingEnvironment,
+    device: torch.device,
+    backend: str,
+    timeout: timedelta,
+    tied_stages: Sequence[tuple[int, ...]] = (),
 ) -> PlanMesh:
-    """Create and connect every group of `plan_groups` (all ranks, same order), then the mesh."""
+    """Create and connect every group of `plan_groups`, `hop_groups` and `tie_groups` (all ranks, same order), then
+    the mesh. `tied_stages`: per weight tied across stages, the stages that hold it."""
     stage, dp_index = plan.coordinate(dist.get_rank())
     dp_specs, pp_specs = plan_groups(plan)
     dp_transports = [group_transport(spec.link, environment) for spec in dp_specs]
@@ -193,10 +214,15 @@ def build_mesh(
         group = connected_group(spec, backend, group_transport(spec.link, environment), timeout, device)
         if rank in spec.ranks:
             neighbours[next(peer for peer in spec.ranks if peer != rank)] = group
+    ties = {}
+    for tie, spec in tie_groups(plan, environment.topology, tied_stages):
+        group = connected_group(spec, backend, group_transport(spec.link, environment), timeout, device)
+        if rank in spec.ranks:
+            ties[tie] = group
     mesh = DeviceMesh.from_group(
         [pp_groups[dp_index], dp_groups[stage]],
         device.type,
         mesh=torch.tensor(plan.mesh_layout()),
         mesh_dim_names=MESH_DIMS,
     )
-    return PlanMesh(mesh, stage, dp_index, dp_transports[stage], pp_transports[dp_index], neighbours)
+    return PlanMesh(mesh, stage, dp_index, dp_transports[stage], pp_transports[dp_index], neighbours, ties)

@@ -30,8 +30,10 @@ def parallelize(
     1. A group of one rank has nothing to shard or sync: the chunk stays a plain module.
     2. FSDP2: `fully_shard` each layer (its reduce-scatter overlaps the backward of the layers before it, its
        all-gather is prefetched), then the chunk's root, which the pipeline unshards at the start of each step.
-       Weights are freed after forward per `plan.reshard_after_forward`.
-    3. Replicas without a pipeline: `replicate` each layer, then the root (gradient all-reduces overlap backward).
+       Weights are freed after forward per `plan.reshard_after_forward`. Layers that share a weight (a tied
+       embedding and head) are left to the root, so the weight stays one parameter.
+    3. Replicas without a pipeline: `replicate` each layer (tied ones left to the root), then the root (gradient
+       all-reduces overlap backward).
     4. Replicas in a pipeline stay plain modules: per-layer hooks would fire for every micro-batch on the critical
        path, so the returned sync averages their gradients once, after the schedule.
 
@@ -39,16 +41,27 @@ def parallelize(
     """
     if mesh.size() == 1:
         return None
+    wrapped = (*_untied(layers), root)
     if plan.sharding == Sharding.fsdp:
-        for module in (*layers, root):
+        for module in wrapped:
             fully_shard(module, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=plan.reshard_after_forward)
         return None
     if not plan.is_pipelined:
-        for module in (*layers, root):
+        for module in wrapped:
             replicate(module, mesh=mesh, mp_policy=mp_policy)
         return None
     group = mesh.get_group()
     return lambda: average_gradients(root.parameters(), group)
+
+
+def _untied(layers: Sequence[nn.Module]) -> list[nn.Module]:
+    """The layers that share no parameter with another layer."""
+    holders: dict[int, set[int]] = defaultdict(set)
+    for index, layer in enumerate(layers):
+        for param in layer.parameters():
+            holders[id(param)].add(index)
+    tied = {index for found in holders.values() if len(found) > 1 for index in found}
+    return [layer for index, layer in enumerate(layers) if index not in tied]
 
 
 def average_gradients(parameters: Iterable[nn.Parameter], group: dist.ProcessGroup) -> None:
@@ -91,11 +104,18 @@ def _buckets(grads: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
 
 
 def clip_grad_norm_(
-    parameters: Iterable[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None, device: torch.device
+    parameters: Iterable[nn.Parameter],
+    max_norm: float,
+    pp_group: dist.ProcessGroup | None,
+    device: torch.device,
+    uncounted: set[int] = frozenset(),
 ) -> torch.Tensor:
-    """Scale gradients so their 2-norm over the whole model (all shards, all pipeline stages) is at most `max_norm`."""
+    """Scale gradients so their 2-norm over the whole model (all shards, all pipeline stages) is at most `max_norm`.
+
+    `uncounted`: `id()`s of parameters scaled but left out of the norm (a tied weight's copy on a later stage).
+    """
     parameters = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in parameters]
+    grads = [p.grad for p in parameters if id(p) not in uncounted]
     norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()

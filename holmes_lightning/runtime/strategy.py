@@ -29,7 +29,7 @@ from lightning.fabric.utilities.seed import _set_rng_states, reset_seed
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
@@ -55,21 +55,23 @@ from holmes_lightning.planner import (
     Sharding,
 )
 from holmes_lightning.runtime.assembly import assemble
-from holmes_lightning.runtime.environment import NICGroupingEnvironment, cluster_source
-from holmes_lightning.runtime.groups import PlanMesh, build_mesh, nccl_world
-from holmes_lightning.runtime.hooks import report_step, step_hook
-from holmes_lightning.runtime.pipeline import (
-    HeldGradients,
-    Pipeline,
+from holmes_lightning.runtime.contract import (
     check_automatic_optimization,
     check_contract,
-    gather_replica_outputs,
+    check_precision,
+    missing_contract,
     prediction_inputs,
     split_batch,
 )
+from holmes_lightning.runtime.environment import NICGroupingEnvironment, cluster_source
+from holmes_lightning.runtime.export import save_pretrained
+from holmes_lightning.runtime.groups import PlanMesh, build_mesh, nccl_world
+from holmes_lightning.runtime.hooks import report_step, step_hook
+from holmes_lightning.runtime.pipeline import HeldGradients, Pipeline, gather_replica_outputs
 from holmes_lightning.runtime.placement import choose_device, describe_emulation, host_position
 from holmes_lightning.runtime.planning import JobPlace, PlanRequest, agree_on_plan
 from holmes_lightning.runtime.sharding import clip_grad_norm_
+from holmes_lightning.runtime.ties import Tie, across_stages, find_ties
 from holmes_lightning.topology import ClusterSpec, Topology
 
 NOT_YET = "is made in setup, after the DataModule's setup and configure_model: read it from train_dataloader() or later"
@@ -131,7 +133,7 @@ class HolmesStrategy(ModelParallelStrategy):
         given["layout"] = layout
         try:  # every setting is checked here, before any rank starts
             self.options = replace(options or PlanOptions(), **{k: v for k, v in given.items() if v is not None})
-            self.batch = _batch(global_batch, microbatches)
+            self.batch = BatchSettings.requested(global_batch, microbatches)
         except SettingError as error:
             raise error.as_written_in(type(self).__name__) from None
         if calibrate:
@@ -161,6 +163,7 @@ class HolmesStrategy(ModelParallelStrategy):
         self._prepared: nn.Module | None = None
         self._reading_sample = False
         self._gradients = HeldGradients(())
+        self._ties: list[Tie] = []
         self._resumed_rng: dict[str, Any] | None = None
         self._device: torch.device | None = None
 
@@ -219,12 +222,8 @@ class HolmesStrategy(ModelParallelStrategy):
     @override
     def precision_plugin(self, plugin: Precision | None) -> None:
         """Lightning hands the precision over in Trainer(), before any process starts: refuse fp16 with loss scaling."""
-        if plugin is not None and plugin.precision == "16-mixed":
-            raise ValueError(
-                "HolmesStrategy cannot train with precision='16-mixed': its GradScaler is not sharding-aware (each "
-                "FSDP shard and pipeline stage would check for inf/NaN and skip steps on its own); use "
-                "precision='bf16-mixed' (no loss scaling needed) or '32-true'"
-            )
+        if plugin is not None:
+            check_precision(plugin.precision)
         ModelParallelStrategy.precision_plugin.fset(self, plugin)
 
     @override
@@ -297,12 +296,15 @@ class HolmesStrategy(ModelParallelStrategy):
             agreed = agree_on_plan(request, trainer=trainer, place=place, reading_data=self._reading_one_sample)
             self.plan, self.calibration = agreed.plan, agreed.calibration
             rank_zero_info(agreed.description)
+            module = self.lightning_module
+            self._ties = [] if missing_contract(module) else find_ties(module.pipeline_layers())
             self.plan_mesh = build_mesh(
                 self.plan,
                 environment=self.cluster_environment,
                 device=self.root_device,
                 backend=self._get_process_group_backend(),
                 timeout=self._timeout,
+                tied_stages=[tie.stages(self.plan) for tie in across_stages(self._ties, self.plan)],
             )
         self._device_mesh = self.plan_mesh.mesh
         assert self.lightning_module is not None
@@ -343,6 +345,7 @@ class HolmesStrategy(ModelParallelStrategy):
             device=self.root_device,
             mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32) if mixed else MixedPrecisionPolicy(),
             seed=lambda: self.broadcast(torch.initial_seed()),
+            ties=self._ties,
         )
         self.model_to_device()
         self._gradients = HeldGradients(module.parameters())
@@ -409,18 +412,23 @@ class HolmesStrategy(ModelParallelStrategy):
             return self.pipeline.predict_step(prediction_inputs(args[0]))
 
     def gather_predictions(self, predictions: Sequence[torch.Tensor | None]) -> torch.Tensor:
-        """The predictions of every DP replica as one tensor in the predict DataLoader's order, on every rank.
-
-        Call it on every rank with what `trainer.predict` returned there (per batch: the last stage's outputs on its
-        ranks, None on the other stages). Lightning's predict sampler gives DP replica d the samples d, d + dp, ...
-        of the DataLoader's order (keep shuffle off), so the replicas' rows interleave back.
-        """
+        """Every DP replica's predictions as one tensor in the predict DataLoader's order (keep shuffle off), on every
+        rank: call it on every rank with what `trainer.predict` returned there (`pipeline.gather_replica_outputs`)."""
         return gather_replica_outputs(self._require_plan(), predictions)
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         pp_group = self.plan_mesh.pp_group if self.pipeline is not None and self.plan_mesh else None
-        clip_grad_norm_(params, clip_val, pp_group, self.root_device)
+        copies = self.pipeline.tied.duplicates if self.pipeline is not None and self.pipeline.tied else set()
+        clip_grad_norm_(params, clip_val, pp_group, self.root_device, uncounted=copies)
+
+    def save_hf(self, directory: str | Path) -> None:
+        """Write the trained model as a Hugging Face directory (`AutoModelForCausalLM.from_pretrained` loads it); call
+        it on every rank, after `fit`. Each stage writes its layers' tensors, tied weights once."""
+        assert self.lightning_module is not None and self.plan_mesh is not None
+        save_pretrained(
+            self.lightning_module, Path(self.broadcast(str(directory))), plan=self._require_plan(), mesh=self.plan_mesh
+        )
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
@@ -463,15 +471,3 @@ class HolmesStrategy(ModelParallelStrategy):
             _set_rng_states(self._resumed_rng)
             self._resumed_rng = None
         super().on_train_batch_start(batch, batch_idx)
-
-
-def _batch(global_batch: int | None, microbatches: int | None) -> BatchSettings | None:
-    if global_batch is None and microbatches is not None:
-        fix = "also give global_batch=<samples per optimizer step>: micro-batches split it"
-        raise SettingError("HolmesStrategy", "microbatches", microbatches, fix)
-    return None if global_batch is None else BatchSettings(global_batch, microbatches)
-
-
-StrategyRegistry.register(
-    "holmes", HolmesStrategy, description="Holmes: pipeline stages over NIC groups, FSDP2 inside each stage"
-)
