@@ -13,6 +13,7 @@ import os
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -57,37 +58,69 @@ class SafetensorsCheckpoint:
 
 
 def hf_state_dict(
-    layer_keys: Sequence[HFKeys], layer_states: Sequence[Mapping[str, torch.Tensor]]
+    layer_keys: Sequence[HFKeys], layer_states: Mapping[int, Mapping[str, torch.Tensor]]
 ) -> dict[str, torch.Tensor]:
-    """The HF state dict of all layers' full tensors (`layer_states[i]`: layer i's state dict); tied weights once."""
-    if len(layer_states) != len(layer_keys):
-        raise ValueError(f"got the tensors of {len(layer_states)} layers; the model has {len(layer_keys)}")
+    """The HF tensors of the layers in `layer_states` (layer index -> its full state dict): each HF key once, written
+    by the first layer of the whole model that holds it (a tied weight by its first holder), if given here."""
+    writer: dict[str, int] = {}
+    for index, keys in enumerate(layer_keys):
+        for hf_names in keys.values():
+            writer.setdefault(hf_names[0], index)
     state: dict[str, torch.Tensor] = {}
-    for index, (keys, tensors) in enumerate(zip(layer_keys, layer_states, strict=True)):
-        missing = sorted(set(keys) - set(tensors))
+    for index, tensors in sorted(layer_states.items()):
+        missing = sorted(set(layer_keys[index]) - set(tensors))
         if missing:
             raise KeyError(f"the tensors of layer {index} lack {missing[:5]}")
-        for name, hf_names in keys.items():
-            state.setdefault(hf_names[0], tensors[name])
+        for name, hf_names in layer_keys[index].items():
+            if writer[hf_names[0]] == index:
+                state[hf_names[0]] = tensors[name]
     return state
 
 
-def write_pretrained(
+def part_name(part: int, parts: int) -> str:
+    """The safetensors file of part `part` (0-based) of `parts`, named as `save_pretrained` names its shards."""
+    return WEIGHTS if parts == 1 else f"model-{part + 1:05d}-of-{parts:05d}.safetensors"
+
+
+def write_part(directory: str | os.PathLike, state: Mapping[str, torch.Tensor], *, part: int, parts: int) -> str:
+    """Write one part of the weights; returns its file name."""
+    name = part_name(part, parts)
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    tensors = {key: t.detach().to("cpu").contiguous() for key, t in state.items()}
+    save_file(tensors, Path(directory) / name, metadata={"format": "pt"})
+    return name
+
+
+class WrittenTensor(NamedTuple):
+    """Where an HF tensor was written: its file, its bytes and dtype (`torch.float32`)."""
+
+    file: str
+    nbytes: int
+    dtype: str
+
+
+def write_index(directory: str | os.PathLike, written: Mapping[str, WrittenTensor]) -> None:
+    """`model.safetensors.index.json` for weights written in several parts (HF's sharded layout)."""
+    total = sum(tensor.nbytes for tensor in written.values())
+    weight_map = {key: tensor.file for key, tensor in sorted(written.items())}
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (Path(directory) / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def write_configs(
     directory: str | os.PathLike,
-    state: Mapping[str, torch.Tensor],
     *,
     config: PretrainedConfig,
     architecture: str,
+    dtype: str,
     generation_config: GenerationConfig | None = None,
 ) -> None:
-    """Write `config.json`, `generation_config.json` (when given) and `model.safetensors`, as `save_pretrained` does."""
+    """Write `config.json` and `generation_config.json` (when given), as `save_pretrained` does."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     config = copy.deepcopy(config)
     config.architectures = [architecture]
-    config.dtype = str(next(t.dtype for t in state.values() if t.is_floating_point())).removeprefix("torch.")
+    config.dtype = dtype.removeprefix("torch.")
     config.save_pretrained(directory)
     if generation_config is not None:
         generation_config.save_pretrained(directory)
-    tensors = {key: t.detach().to("cpu").contiguous() for key, t in state.items()}
-    save_file(tensors, directory / WEIGHTS, metadata={"format": "pt"})

@@ -56,7 +56,8 @@ class HFDecoderLayer(nn.Module):
     """One HF decoder layer, given the 4-D mask of its `layer_type` and, where the family has one, rotary cos/sin.
 
     A 2-D mask of all ones is passed to the mask helper as no mask: the runtime fills an absent mask with ones, and
-    HF then also detects packed sequences from position ids that restart.
+    HF then also detects packed sequences from position ids that restart. On the meta device (profiling a model too
+    big to build: shapes only) no mask is made; attention costs the same.
     """
 
     def __init__(
@@ -76,20 +77,25 @@ class HFDecoderLayer(nn.Module):
         self.hf_keys: dict[str, tuple[str, ...]] = {}
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> Hidden:
-        padding = None if bool(attention_mask.all()) else attention_mask
-        mask = MASKS[self.layer_type](
-            config=self.config,
-            inputs_embeds=hidden_states,
-            attention_mask=padding,
-            cache=None,
-            position_ids=position_ids,
-        )
+        mask = None if hidden_states.is_meta else self._mask(hidden_states, attention_mask, position_ids)
         extra = {}
         if self.rotary is not None:
             by_type = (self.layer_type,) if self.rotary_by_type else ()
             extra["position_embeddings"] = self.rotary(hidden_states, position_ids, *by_type)
         out = self.block(hidden_states, attention_mask=mask, position_ids=position_ids, **extra)
         return (out[0] if isinstance(out, tuple) else out), attention_mask, position_ids
+
+    def _mask(
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor | None:
+        padding = None if bool(attention_mask.all()) else attention_mask
+        return MASKS[self.layer_type](
+            config=self.config,
+            inputs_embeds=hidden_states,
+            attention_mask=padding,
+            cache=None,
+            position_ids=position_ids,
+        )
 
 
 class HFHead(nn.Module):

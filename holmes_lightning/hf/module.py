@@ -18,7 +18,14 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from holmes_lightning import init_layers
-from holmes_lightning.hf.checkpoint import SafetensorsCheckpoint, hf_state_dict, write_pretrained
+from holmes_lightning.hf.checkpoint import (
+    SafetensorsCheckpoint,
+    WrittenTensor,
+    hf_state_dict,
+    write_configs,
+    write_index,
+    write_part,
+)
 from holmes_lightning.hf.structure import hf_pipeline_layers
 
 IGNORE_INDEX = -100  # labels HF's loss does not count
@@ -157,18 +164,41 @@ class HFCausalLM(L.LightningModule):
     def save_pretrained(
         self, directory: str | os.PathLike, layer_states: Sequence[Mapping[str, torch.Tensor]] | None = None
     ) -> None:
-        """Write an HF directory (`AutoModelForCausalLM.from_pretrained` loads it) from each layer's full tensors.
+        """Write an HF directory (`AutoModelForCausalLM.from_pretrained` loads it) from each layer's full tensors, in
+        this process (across ranks: `HolmesStrategy.save_hf`).
 
         `layer_states[i]`: pipeline layer i's state dict, gathered in full; default: the layers here (all of them).
         """
         if layer_states is None:
             layer_states = [layer.state_dict() for layer in self.layers]
+        written = self.save_pretrained_part(directory, dict(enumerate(layer_states)), part=0, parts=1)
+        self.finish_pretrained(directory, written)
+
+    def save_pretrained_part(
+        self,
+        directory: str | os.PathLike,
+        layer_states: Mapping[int, Mapping[str, torch.Tensor]],
+        *,
+        part: int,
+        parts: int,
+    ) -> dict[str, WrittenTensor]:
+        """Write the HF tensors of these pipeline layers (layer index -> full state dict) as part `part` of `parts`:
+        each HF key once, by the first layer of the model that holds it (a tied weight by its first holder)."""
+        state = hf_state_dict(self.layer_hf_keys, layer_states)
+        name = write_part(directory, state, part=part, parts=parts)
+        return {key: WrittenTensor(name, t.numel() * t.element_size(), str(t.dtype)) for key, t in state.items()}
+
+    def finish_pretrained(self, directory: str | os.PathLike, written: Mapping[str, WrittenTensor]) -> None:
+        """The index of a directory written in several parts, and `config.json` (and `generation_config.json` where
+        the model generates)."""
+        if len({tensor.file for tensor in written.values()}) > 1:
+            write_index(directory, written)
         hf_model = self.hf_model
-        write_pretrained(
+        write_configs(
             directory,
-            hf_state_dict(self.layer_hf_keys, layer_states),
             config=hf_model.config,
             architecture=type(hf_model).__name__,
+            dtype=next(tensor.dtype for tensor in written.values() if "float" in tensor.dtype),
             generation_config=hf_model.generation_config if hf_model.can_generate() else None,
         )
 
