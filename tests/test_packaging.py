@@ -76,3 +76,11 @@ def test_readme_leads_with_the_example_script():
     snippet = readme.split("```python\n", 1)[1].split("```", 1)[0]
     script = (REPO / "recipes" / "train_my_model.py").read_text()
     assert script.endswith(snippet) and "HolmesStrategy(" in snippet
+
+
+def test_readmes_hugging_face_snippet_is_the_recipe_as_it_runs():
+    """README's second snippet is the end of recipes/train_hf_llama.py (tests/test_hf_pipeline.py runs it)."""
+    readme = (REPO / "README.md").read_text()
+    snippet = readme.split("```python\n")[2].split("```", 1)[0]
+    script = (REPO / "recipes" / "train_hf_llama.py").read_text()
+    assert script.endswith(snippet) and "class MyLlama(HFCausalLM)" in snippet and len(snippet.splitlines()) < 20

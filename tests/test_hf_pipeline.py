@@ -1,0 +1,130 @@
+"""Hugging Face causal LMs of four families trained as pp=2 x dp=2 across two_cluster_mixed (tests/hf_script.py, started
+with `python script.py`) match the HF model itself trained by plain Lightning in one process on the same dict batches:
+per-step losses (HF's token-weighted loss, rows padded on the right or the left, labels -100 among them), tied
+embedding copies bitwise equal after the steps, the directory `save_hf` writes loading in `from_pretrained` to the
+one-process model's logits, and a pretrained directory giving HF's own first loss.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import hf_script
+import lightning as L
+import pytest
+import torch
+import transformers as tf
+from torch.utils.data import DataLoader
+
+from holmes_lightning.hf import HFCausalLM
+
+SCRIPT = str(Path(hf_script.__file__).resolve())
+CASES = [("gpt2", "GPipe", "right"), ("llama", "1F1B", "left"), ("qwen2", "GPipe", "left"), ("gemma", "1F1B", "right")]
+ENV_SECONDS = {"HOLMES_CALIBRATION_SECONDS": "0.05", "OMP_NUM_THREADS": "1"}
+
+
+class HFItself(HFCausalLM):
+    """The reference: the HF model's own forward and loss (`model(**batch).loss`) on each whole global batch."""
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.hf_model(**batch).loss
+
+
+@cache
+def launched(family: str, schedule: str, padding: str, out: str, pretrained: str = "") -> list[dict]:
+    argv = [sys.executable, SCRIPT, family, schedule, padding, out, *([pretrained] if pretrained else [])]
+    env = {**os.environ, **ENV_SECONDS}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=out, env=env, check=False)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
+    return [json.loads(Path(out, f"rank{rank}.json").read_text()) for rank in range(4)]
+
+
+def reference(family: str, padding: str, source: object = None) -> tuple[list[float], HFItself]:
+    """Per-step losses of one process on the global batches in the pipeline's order (each replica's sampler, shuffle
+    off, takes rows d, d + 2, ...: together the next 8 rows), and the trained model."""
+    L.seed_everything(hf_script.SEED)
+    model, losses = HFItself(source or hf_script.CONFIGS[family](), learning_rate=3e-3), hf_script.StepLosses()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=hf_script.STEPS,
+        callbacks=[losses],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    loader = DataLoader(hf_script.PaddedTokens(padding), batch_size=hf_script.GLOBAL_BATCH, shuffle=False)
+    trainer.fit(model, loader)
+    return losses.losses, model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "schedule", "padding"), CASES)
+def test_an_hf_model_trains_across_the_clusters_as_in_one_process(family, schedule, padding, tmp_path):
+    ranks = launched(family, schedule, padding, str(tmp_path))
+    expected, trained = reference(family, padding)
+    assert all(len(plan) == 2 for plan in (rank["plan"] for rank in ranks))
+    for rank in ranks:
+        assert rank["losses"] == pytest.approx(expected, rel=1e-4), rank
+    copies = [rank["tied"] for rank in ranks if rank["tied"] is not None]
+    if trained.hf_model.config.tie_word_embeddings:
+        assert len(copies) == 4 and all(copy == copies[0] for copy in copies)  # bitwise, on both stages' ranks
+    saved = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    batch = next(iter(DataLoader(hf_script.PaddedTokens(padding), batch_size=4)))
+    inputs = {key: batch[key] for key in ("input_ids", "attention_mask")}
+    with torch.no_grad():
+        assert torch.allclose(saved(**inputs).logits, trained.hf_model.eval()(**inputs).logits, rtol=1e-4, atol=1e-4)
+    written = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(written) == set(trained.hf_model.state_dict()) - _tied_keys(trained.hf_model)
+
+
+@pytest.mark.slow
+def test_a_pretrained_directory_loads_stage_by_stage_and_starts_at_hfs_loss(tmp_path):
+    torch.manual_seed(0)
+    pretrained = tmp_path / "pretrained"
+    tf.AutoModelForCausalLM.from_config(hf_script.CONFIGS["llama"]()).save_pretrained(pretrained)
+    out = tmp_path / "run"
+    out.mkdir()
+    ranks = launched("llama", "GPipe", "right", str(out), str(pretrained))
+    first = ranks[0]["losses"][0]
+    batch = next(iter(DataLoader(hf_script.PaddedTokens("right"), batch_size=hf_script.GLOBAL_BATCH)))
+    with torch.no_grad():
+        hf_loss = tf.AutoModelForCausalLM.from_pretrained(pretrained)(**batch).loss
+    assert first == pytest.approx(float(hf_loss), rel=1e-5)
+
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "train_hf_llama.py"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "launch",
+    [[sys.executable], [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]],
+    ids=["python", "torchrun"],
+)
+def test_the_readmes_llama_recipe_trains_and_saves_under_either_launcher(launch, tmp_path):
+    env = {**os.environ, **ENV_SECONDS}
+    done = subprocess.run([*launch, str(RECIPE)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
+    trained = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "trained-llama")
+    rows = (torch.arange(64) + torch.tensor([[5], [99]])) % 256
+    with torch.no_grad():
+        loss = trained(input_ids=rows, labels=rows).loss
+    assert float(loss) < 0.9 * math.log(256)  # it learnt the counting, from a random guess's loss
+
+
+def _tied_keys(model: torch.nn.Module) -> set[str]:
+    """The state-dict keys HF does not save because they repeat a tied weight (the LM head's)."""
+    seen, tied = set(), set()
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            tied.add(key)
+        seen.add(id(tensor))
+    return tied
