@@ -273,9 +273,9 @@ def test_a_step_leaves_no_outputs_behind_and_returns_them_only_when_asked(tmp_pa
         )
         inputs, targets = tiny_dataset(4).tensors
         stages = pipeline.train_schedule.stages
-        assert pipeline.train_step(inputs, targets).outputs is None
+        assert pipeline.train_step((inputs,), targets).outputs is None
         assert not any(stage.output_chunks or stage.fwd_cache for stage in stages)
-        kept = pipeline.train_step(inputs, targets, keep_outputs=True)
+        kept = pipeline.train_step((inputs,), targets, keep_outputs=True)
         assert not any(stage.output_chunks or stage.fwd_cache for stage in stages)
     finally:
         dist.destroy_process_group()

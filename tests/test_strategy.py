@@ -207,11 +207,18 @@ def test_pipeline_without_the_contract_says_what_to_add() -> None:
         HolmesStrategy(cluster="two_cluster_mixed", pp=2).connect(PlainMLP())
 
 
-def test_batches_must_be_inputs_and_targets() -> None:
+def test_batches_are_inputs_and_targets_or_dicts_of_input_ids_and_labels() -> None:
     from holmes_lightning.runtime.contract import split_batch
 
     with pytest.raises(ContractError, match="batches of the form \\(inputs, targets\\)"):
+        split_batch([torch.zeros(2)])
+    with pytest.raises(ContractError, match="a dict batch needs 'labels' for the loss; got keys \\['inputs'\\]"):
         split_batch({"inputs": torch.zeros(2)})
+    with pytest.raises(ContractError, match="drop \\['token_type_ids'\\] in the DataLoader's collate_fn"):
+        split_batch({"input_ids": torch.zeros(2, 3), "labels": torch.zeros(2, 3), "token_type_ids": torch.zeros(2)})
+    ids = torch.arange(6).view(2, 3)
+    inputs, labels = split_batch({"input_ids": ids, "labels": ids})
+    assert torch.equal(inputs[1], torch.ones_like(ids)) and torch.equal(inputs[2], torch.tensor([[0, 1, 2]] * 2))
 
 
 @pytest.mark.parametrize(
