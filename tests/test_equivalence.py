@@ -8,7 +8,7 @@ span both stages).
 
 from __future__ import annotations
 
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 import lightning as L
@@ -26,6 +26,9 @@ CASES: dict[str, dict[str, Any]] = {
     "1f1b_replicated_accumulate_2": {"schedule": "1F1B", "partition": "auto", "sharding": "none", "accumulate": 2},
     # each cluster's two stages pass activations in a group of their own on the fabric, the middle hop on TCP
     "1f1b_pp4_fabric_hops": {"schedule": "1F1B", "partition": "uniform", "pp": 4, "dp": 1},
+    # every layer keeps only its input and runs its forward again in backward; then every other layer
+    "1f1b_full_checkpointing": {"schedule": "1F1B", "partition": "auto", "checkpointing": "full"},
+    "gpipe_selective_checkpointing": {"schedule": "GPipe", "partition": "uniform", "checkpointing": "selective"},
 }
 
 
@@ -62,6 +65,7 @@ def train_cases(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
             sharding=case.get("sharding", "fsdp"),
             pp=case.get("pp", 2),
             dp=case.get("dp", DP),
+            activation_checkpointing=case.get("checkpointing", "off"),
             global_batch=GLOBAL_BATCH,
             microbatches=MICROBATCHES,
             timeout=120,
@@ -79,6 +83,8 @@ def train_cases(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
         results[name] = {
             "losses": recorder.losses,
             "chunks": [stage.chunks for stage in strategy.plan.stages],
+            "stage": strategy.plan_mesh.stage,
+            "recomputing": sum(isinstance(layer.forward, partial) for layer in model.pipeline_layers() if layer),
             "metrics": metrics,
             "revalidated": revalidated,
             "hop_peers": sorted(strategy.plan_mesh.hop_groups),
@@ -135,3 +141,17 @@ def test_logged_losses_reach_every_rank_and_match(ranks: list[dict[str, Any]]) -
         assert result["metrics"]["train_loss"] == pytest.approx(reference["losses"][-1], rel=1e-4)
         assert result["metrics"]["val_loss"] == pytest.approx(reference["metrics"]["val_loss"], rel=1e-4)
         assert result["revalidated"]["val_loss"] == pytest.approx(reference["revalidated"]["val_loss"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_checkpointed_stages_recompute_the_layers_the_plan_names(ranks: list[dict[str, Any]]) -> None:
+    """full wraps every layer a rank holds, selective the odd ones (by position in the model), off none; their
+    losses match one process (`test_losses_match_single_process`)."""
+    for rank in ranks:
+        for case, wrapped in (
+            ("1f1b_full_checkpointing", lambda i: True),
+            ("gpipe_selective_checkpointing", lambda i: i % 2),
+        ):
+            held = [i for a, b in rank[case]["chunks"][rank[case]["stage"]] for i in range(a, b)]
+            assert rank[case]["recomputing"] == sum(1 for i in held if wrapped(i)) > 0
+        assert rank["1f1b_auto"]["recomputing"] == 0

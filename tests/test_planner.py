@@ -278,7 +278,7 @@ def test_auto_sharding_picks_replicas_on_gloo_fsdp_on_nccl_and_fsdp_when_replica
     sharded = best_plan(wider, GPT_SMALL, batch, options=PlanOptions(backend="gloo", sharding="fsdp", pp=2))
     assert sharded.prediction.memory_gb < replicas.prediction.memory_gb
     limit = (sharded.prediction.memory_gb + replicas.prediction.memory_gb) / 2
-    tight = PlanOptions(backend="gloo", pp=2, memory_limit_gb=limit)
+    tight = PlanOptions(backend="gloo", pp=2, memory_limit_gb=limit, activation_checkpointing="off")
     assert best_plan(wider, GPT_SMALL, batch, options=tight).sharding == "fsdp"
 
 
@@ -317,3 +317,38 @@ def test_per_layer_overhead_makes_micro_batches_cost_something_and_the_optimizer
     p = timed.prediction
     assert p.optimizer_s > 0
     assert p.compute_s + p.dp_sync_s + p.p2p_s + p.optimizer_s + p.bubble_s == pytest.approx(p.total_s)
+
+
+def test_checkpointed_layers_keep_their_input_and_run_their_forward_again():
+    """GPT-small (12 pipeline layers) on ib_only, pp=2 x dp=2, GPipe over 2 micro-batches: full checkpointing adds
+    each stage's forward to its backward and keeps per micro-batch only each layer's input; selective does so for
+    every other layer."""
+    topology, batch = Topology.from_config("ib_only"), BatchSettings(16, microbatches=2)
+    settings = {"pp": 2, "partition": [6, 6], "schedule": "GPipe"}
+    plans = {
+        mode: best_plan(topology, GPT_SMALL, batch, options=PlanOptions(**settings, activation_checkpointing=mode))
+        for mode in ("off", "full", "selective")
+    }
+    off, full, selective = plans["off"], plans["full"], plans["selective"]
+    for plain, checkpointed in zip(off.stages, full.stages, strict=True):
+        assert checkpointed.forward_s == plain.forward_s
+        assert checkpointed.backward_s[0] == pytest.approx(plain.backward_s[0] + plain.forward_s[0])
+        assert checkpointed.memory_gb < plain.memory_gb
+        assert checkpointed.checkpointing == "full" and plain.checkpointing == "off"
+    assert off.prediction.total_s < selective.prediction.total_s < full.prediction.total_s
+    assert full.stages[0].memory_gb < selective.stages[0].memory_gb < off.stages[0].memory_gb
+    assert Plan.from_json(full.to_json()) == full
+
+
+def test_auto_checkpointing_turns_on_only_when_nothing_fits_otherwise():
+    topology, batch = Topology.from_config("two_cluster_mixed"), BatchSettings(64)
+    free = best_plan(topology, GPT_7_5B, batch)
+    assert {stage.checkpointing for stage in free.stages} == {"off"}  # no limit: keeping activations is never slower
+    with pytest.raises(PlanError, match="memory_limit_gb=20"):
+        best_plan(topology, GPT_7_5B, batch, options=PlanOptions(memory_limit_gb=20, activation_checkpointing="off"))
+    limited = best_plan(topology, GPT_7_5B, batch, options=PlanOptions(memory_limit_gb=20))
+    assert {stage.checkpointing for stage in limited.stages} == {"full"}
+    assert max(stage.memory_gb for stage in limited.stages) <= 20
+    assert any("activation checkpointing turned on (full)" in note for note in limited.notes)
+    roomy = best_plan(topology, GPT_7_5B, batch, options=PlanOptions(memory_limit_gb=10_000))
+    assert roomy == free

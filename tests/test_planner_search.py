@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from holmes_lightning.cli.config import ModelConfig
 from holmes_lightning.planner import (
     BatchSettings,
+    Checkpointing,
     LayerProfile,
     MachineCosts,
     ModelProfile,
@@ -56,6 +57,7 @@ def exhaustive_best(
     """The least simulated step over everything the planner can express for this request (math.inf: nothing fits)."""
     chunks = options.chunks_per_stage if options.schedule == "Interleaved1F1B" else 1
     limit = options.memory_limit_gb * GB if options.memory_limit_gb else None
+    checkpointed = [Checkpointing.off, Checkpointing.full] if limit else [Checkpointing.off]  # auto's two choices
     best = math.inf
     for dp in dp_degrees(topology):
         pp = topology.world_size // dp
@@ -66,7 +68,7 @@ def exhaustive_best(
         for order in itertools.permutations(topology.nic_groups()):
             layout = holmes_layout(order, dp)
             hardware = StageHardware.of(topology, layout)
-            for sharding in (Sharding.fsdp, Sharding.none):
+            for sharding, checkpointing in itertools.product((Sharding.fsdp, Sharding.none), checkpointed):
                 cost = cost_model(topology, profile, options=options, costs=costs, sharding=sharding)
                 for m in counts:
                     if microbatch_problem(options.schedule, pp, m):
@@ -80,6 +82,7 @@ def exhaustive_best(
                         microbatches=m,
                         microbatch_size=per_rank // m,
                         memory_limit=limit,
+                        checkpointing=checkpointing,
                     )
                     for split in compositions(profile.num_layers, pp * chunks):
                         step = candidate.step_s(split)

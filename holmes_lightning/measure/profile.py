@@ -32,7 +32,8 @@ def profile_modules(
     moves to the meta device and nothing is timed.
     """
     layers, tokens = measure_layers(list(modules), sample, time_repeats)
-    return ModelProfile(name, tuple(layers), tokens_per_sample=tokens)
+    inputs = nbytes(sample) / as_tuple(sample)[0].shape[0]
+    return ModelProfile(name, tuple(layers), tokens_per_sample=tokens, input_bytes=inputs)
 
 
 def measure_layers(modules: list[nn.Module], sample: Flow, time_repeats: int = 0) -> tuple[list[LayerProfile], int]:

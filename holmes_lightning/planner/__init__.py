@@ -6,6 +6,7 @@ from holmes_lightning.planner.cost import CostModel, MachineCosts
 from holmes_lightning.planner.options import (
     Backend,
     BatchSettings,
+    Checkpointing,
     LayoutKind,
     PartitionRule,
     PlanOptions,
@@ -21,6 +22,7 @@ __all__ = [
     "Backend",
     "BatchSettings",
     "Block",
+    "Checkpointing",
     "CostModel",
     "LayerProfile",
     "LayoutKind",

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from holmes_lightning.planner.bounds import PathShapes
 from holmes_lightning.planner.cost import CostModel
 from holmes_lightning.planner.layout import Layout, StageHardware
-from holmes_lightning.planner.options import Backend, Schedule
+from holmes_lightning.planner.options import Backend, Checkpointing, Schedule
 from holmes_lightning.planner.plan_types import StagePlan, StepPrediction, locate_virtual, virtual_stage
 from holmes_lightning.planner.profile import ModelProfile
 from holmes_lightning.planner.schedules import peak_stash
@@ -36,6 +36,8 @@ class Candidate:
 
     Virtual stage v (`chunks` per stage, interleaved) sits on stage v % pp; counts are layers per virtual stage.
     `memory_limit`: bytes per device, None = unchecked. `shapes`: what the bounds need of the schedule's orders.
+    `checkpointing` (resolved: off, full or selective): its checkpointed layers keep only their input per micro-batch
+    and run their forward again in backward, their stash back in memory meanwhile.
     """
 
     layout: Layout
@@ -47,6 +49,7 @@ class Candidate:
     microbatch_size: int
     memory_limit: float | None = None
     range_costs: RangeCosts = field(default_factory=lambda: RangeCosts())
+    checkpointing: Checkpointing = Checkpointing.off
 
     def __post_init__(self) -> None:
         pp, layers, mb = self.layout.pp, self.cost.profile.layers, self.microbatch_size
@@ -69,14 +72,18 @@ class Candidate:
             )
             for s in range(pp)
         ]
+        rerun = self.checkpointing.recomputed(len(layers))
         per_speed = {}
         for speed in set(self.hardware.tflops):
             forward, backward = self.cost.microbatch_seconds(speed, mb, dp=dp, pipelined=self.pipelined)
+            backward = [b + f * again for f, b, again in zip(forward, backward, rerun, strict=True)]
             per_speed[speed] = (_cumulative(forward), _cumulative(backward))
         self._forward = [per_speed[speed][0] for speed in self.hardware.tflops]
         self._backward = [per_speed[speed][1] for speed in self.hardware.tflops]
         self._params = _cumulative([layer.param_bytes for layer in layers])
-        self._stash = _cumulative([layer.stash_bytes * mb for layer in layers])
+        kept = [self._kept_bytes(i, again) for i, again in enumerate(rerun)]
+        self._stash = _cumulative([bytes_ * mb for bytes_ in kept])
+        self._rerun = [layer.stash_bytes * mb * again for layer, again in zip(layers, rerun, strict=True)]
         fastest = max(self.hardware.tflops)
         forward, backward = self.cost.layer_seconds(fastest)
         self._base = _cumulative([(f + b) * mb for f, b in zip(forward, backward, strict=True)])
@@ -89,6 +96,16 @@ class Candidate:
     @property
     def num_layers(self) -> int:
         return self.cost.profile.num_layers
+
+    def _kept_bytes(self, index: int, checkpointed: bool) -> float:
+        """What layer `index` keeps per sample for its backward: its stash, or checkpointed its input (the last
+        layer also its output and the loss's copy of it, which the pipeline keeps whatever the layer does)."""
+        profile = self.cost.profile
+        layer = profile.layers[index]
+        if not checkpointed:
+            return layer.stash_bytes
+        last = index == profile.num_layers - 1
+        return profile.input_of(index) + (2 * layer.activation_bytes if last else 0.0)
 
     def forward_s(self, stage: int, start: int, stop: int) -> float:
         return self._forward[stage][stop] - self._forward[stage][start]
@@ -149,16 +166,20 @@ class Candidate:
         exposed = self.exposed_sync_s(stage, param_bytes, layers, compute_s)
         return exposed + self.update_s(param_bytes, layers) + closing
 
-    def memory_bytes(self, stage: int, param_bytes: float, stash_per_chunk: Sequence[float]) -> float:
-        """Peak bytes per device of a stage holding these parameters and per-chunk stashes (one micro-batch each)."""
-        if self.chunks == 1:
-            stash = self.in_flight[stage] * stash_per_chunk[0]
-        else:
-            stash = peak_stash(self.orders[stage], stash_per_chunk)
-        return self.cost.memory_bytes(param_bytes, dp=self.layout.dp, stash_bytes=stash, pipelined=self.virtual > 1)
+    def memory_bytes(self, stage: int, param_bytes: float, ranges: Sequence[tuple[int, int] | None]) -> float:
+        """Peak bytes per device of a stage holding these parameters, its chunks over layer `ranges` (None, or
+        missing at the end: a chunk not placed yet, counted empty): each chunk's stash per micro-batch in flight, and
+        the largest checkpointed layer's stash while its forward runs again."""
+        per_chunk = [0.0 if r is None else self.stash_bytes(*r) for r in ranges]
+        per_chunk += [0.0] * (self.chunks - len(per_chunk))
+        stash = self.in_flight[stage] * per_chunk[0] if self.chunks == 1 else peak_stash(self.orders[stage], per_chunk)
+        rerun = max((max(self._rerun[a:b], default=0.0) for a, b in filter(None, ranges)), default=0.0)
+        return self.cost.memory_bytes(
+            param_bytes, dp=self.layout.dp, stash_bytes=stash + rerun, pipelined=self.virtual > 1
+        )
 
-    def fits(self, stage: int, param_bytes: float, stash_per_chunk: Sequence[float]) -> bool:
-        return self.memory_limit is None or self.memory_bytes(stage, param_bytes, stash_per_chunk) <= self.memory_limit
+    def fits(self, stage: int, param_bytes: float, ranges: Sequence[tuple[int, int] | None]) -> bool:
+        return self.memory_limit is None or self.memory_bytes(stage, param_bytes, ranges) <= self.memory_limit
 
     def range_cost(self, virtual_stage: int, start: int, stop: int) -> tuple[float, float, float, float] | None:
         """(forward, backward, send, tail) seconds of one virtual stage alone; None if it alone exceeds memory.
@@ -176,9 +197,9 @@ class Candidate:
     def _range_cost(self, virtual_stage: int, start: int, stop: int) -> tuple[float, float, float, float] | None:
         stage, chunk = locate_virtual(virtual_stage, self.layout.pp)
         params = self.param_bytes(start, stop)
-        stash = [0.0] * self.chunks
-        stash[chunk] = self.stash_bytes(start, stop)
-        if not self.fits(stage, params, stash):
+        ranges: list[tuple[int, int] | None] = [None] * self.chunks
+        ranges[chunk] = (start, stop)
+        if not self.fits(stage, params, ranges):
             return None
         forward, backward = self.forward_s(stage, start, stop), self.backward_s(stage, start, stop)
         tail = self.tail_s(stage, params, stop - start, forward + backward) if self.chunks == 1 else 0.0
@@ -206,7 +227,7 @@ class Candidate:
         for s in range(pp):
             own = virtual_stages(s, chunks, pp)
             params = sum(self.param_bytes(*ranges[k]) for k in own)
-            if not self.fits(s, params, [self.stash_bytes(*ranges[k]) for k in own]):
+            if not self.fits(s, params, [ranges[k] for k in own]):
                 return None
             layers = sum(b - a for a, b in (ranges[k] for k in own))
             tails.append(self.tail_s(s, params, layers, sum(forward[k] + backward[k] for k in own)))
@@ -248,7 +269,8 @@ class Candidate:
                     exposed_sync_s=self.exposed_sync_s(s, params, layers, sum(forward) + sum(backward)),
                     update_s=self.update_s(params, layers),
                     closing_s=self.cost.step_collective_s(pp * dp) if self.pipelined else 0.0,
-                    memory_gb=self.memory_bytes(s, params, [self.stash_bytes(a, b) for a, b in own]) / GB,
+                    memory_gb=self.memory_bytes(s, params, own) / GB,
+                    checkpointing=self.checkpointing,
                 )
             )
         return plans

@@ -17,7 +17,15 @@ from holmes_lightning.planner.layout import (
     megatron_layout,
     pipeline_links,
 )
-from holmes_lightning.planner.options import Backend, BatchSettings, LayoutKind, PartitionRule, PlanOptions, Sharding
+from holmes_lightning.planner.options import (
+    Backend,
+    BatchSettings,
+    Checkpointing,
+    LayoutKind,
+    PartitionRule,
+    PlanOptions,
+    Sharding,
+)
 from holmes_lightning.planner.partition import split_chunks, uniform_partition
 from holmes_lightning.planner.plan_types import Plan, StagePlan
 from holmes_lightning.planner.profile import ModelProfile
@@ -72,25 +80,27 @@ def best_plan(
     shardings = (Sharding.fsdp, Sharding.none) if options.sharding is Sharding.auto else (options.sharding,)
     candidates = []
     shared: dict[tuple, RangeCosts] = {}
-    for i, sharding in enumerate(shardings):  # FSDP first: replicas win only when strictly faster
-        cost = cost_model(topology, profile, options=options, costs=costs, sharding=sharding)
-        for j, (layout, stage_hardware) in enumerate(zip(layouts, hardware, strict=True)):
-            if options.sharding is Sharding.auto and _dominated(sharding, layout, options, costs):
-                continue
-            for k, microbatches in enumerate(_microbatch_counts(layout, profile, batch, options, problems)):
-                microbatch_size = batch.global_batch // layout.dp // microbatches
-                candidate = Candidate(
-                    layout=layout,
-                    hardware=stage_hardware,
-                    cost=replace(cost, rdma=layout.rdma),
-                    schedule=options.schedule,
-                    chunks=options.chunks,
-                    microbatches=microbatches,
-                    microbatch_size=microbatch_size,
-                    memory_limit=limit,
-                    range_costs=shared.setdefault((sharding, microbatch_size), RangeCosts()),
-                )
-                candidates.append(((i, j, k), candidate))
+    for a, checkpointing in enumerate(_checkpointing(options, limited=limit is not None)):  # off first
+        for i, sharding in enumerate(shardings):  # FSDP first: replicas win only when strictly faster
+            cost = cost_model(topology, profile, options=options, costs=costs, sharding=sharding)
+            for j, (layout, stage_hardware) in enumerate(zip(layouts, hardware, strict=True)):
+                if options.sharding is Sharding.auto and _dominated(sharding, layout, options, costs):
+                    continue
+                for k, microbatches in enumerate(_microbatch_counts(layout, profile, batch, options, problems)):
+                    microbatch_size = batch.global_batch // layout.dp // microbatches
+                    candidate = Candidate(
+                        layout=layout,
+                        hardware=stage_hardware,
+                        cost=replace(cost, rdma=layout.rdma),
+                        schedule=options.schedule,
+                        chunks=options.chunks,
+                        microbatches=microbatches,
+                        microbatch_size=microbatch_size,
+                        memory_limit=limit,
+                        range_costs=shared.setdefault((checkpointing, sharding, microbatch_size), RangeCosts()),
+                        checkpointing=checkpointing,
+                    )
+                    candidates.append(((a, i, j, k), candidate))
 
     def infeasible(candidate: Candidate, counts: tuple[int, ...] | None) -> None:
         problems.append(_memory_problem(candidate, counts, options))
@@ -100,6 +110,14 @@ def best_plan(
         reasons = "\n  ".join(dict.fromkeys(problems)) or "no layout fits"
         raise PlanError(f"no feasible plan for {topology.name!r} and {profile.name!r}:\n  {reasons}")
     return _as_plan(best.candidate, best.counts, options)
+
+
+def _checkpointing(options: PlanOptions, *, limited: bool) -> tuple[Checkpointing, ...]:
+    """The activation checkpointing each candidate may run: `auto` tries full only under a memory limit (without one,
+    keeping activations is never slower)."""
+    if options.activation_checkpointing is not Checkpointing.auto:
+        return (options.activation_checkpointing,)
+    return (Checkpointing.off, Checkpointing.full) if limited else (Checkpointing.off,)
 
 
 def _dominated(sharding: Sharding, layout: Layout, options: PlanOptions, costs: MachineCosts) -> bool:
@@ -154,7 +172,7 @@ def _as_plan(candidate: Candidate, counts: tuple[int, ...], options: PlanOptions
         microbatch_size=candidate.microbatch_size,
         prediction=candidate.predict(stages),
         num_layers=candidate.num_layers,
-        notes=_notes(layout, stages),
+        notes=_notes(layout, stages, options),
         partition=options.partition.value if isinstance(options.partition, PartitionRule) else "explicit",
         sharding=candidate.cost.sharding,
         tokens_per_sample=candidate.cost.profile.tokens_per_sample,
@@ -380,8 +398,14 @@ def _microbatch_counts(
     return fitting
 
 
-def _notes(layout: Layout, stages: list[StagePlan]) -> tuple[str, ...]:
+def _notes(layout: Layout, stages: list[StagePlan], options: PlanOptions) -> tuple[str, ...]:
     notes = []
+    checkpointed = stages[0].checkpointing
+    if options.activation_checkpointing is Checkpointing.auto and checkpointed is not Checkpointing.off:
+        notes.append(
+            f"activation checkpointing turned on ({checkpointed}): no plan keeps every activation within "
+            f"memory_limit_gb={options.memory_limit_gb} per device"
+        )
     if not layout.rdma:
         notes.append("IB and RoCE share this job's communicators, so every one of them runs on TCP sockets")
     mixed = [s.index for s in stages if s.mixes_fabrics]

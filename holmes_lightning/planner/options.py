@@ -48,6 +48,24 @@ class Sharding(ConfigEnum):
     none = "none"
 
 
+class Checkpointing(ConfigEnum):
+    """Activation checkpointing: which pipeline layers keep only their input and run their forward again in backward.
+
+    `full`: every layer; `selective`: every other one (odd positions); `auto`: off where the plan fits
+    `memory_limit_gb` without it, else full; `off`: none.
+    """
+
+    off = "off"
+    full = "full"
+    selective = "selective"
+    auto = "auto"
+
+    def recomputed(self, layers: int) -> tuple[bool, ...]:
+        """Per pipeline layer: is it checkpointed under this (resolved, not `auto`) choice."""
+        every = self is Checkpointing.full
+        return tuple(every or (self is Checkpointing.selective and i % 2 == 1) for i in range(layers))
+
+
 class PartitionRule(ConfigEnum):
     """Layers per stage chosen by the planner (`auto`: the lowest predicted step) or split equally (`uniform`)."""
 
@@ -118,7 +136,8 @@ class PlanOptions:
     gradients all-reduced) or `auto` (the faster of the two, FSDP on a tie since it needs less memory). backend: the
     collective library (gloo's reduce-scatter costs a whole all-reduce). chunks_per_stage: model chunks per stage for
     Interleaved1F1B. state_multiplier: bytes of weights, grads and optimizer state per parameter byte (4: fp32
-    AdamW). memory_limit_gb: per device, None = unchecked.
+    AdamW). memory_limit_gb: per device, None = unchecked. activation_checkpointing: `off`, `full`, `selective` or
+    `auto` (`Checkpointing`; auto turns it on, full, only where no plan fits the memory limit without it).
     """
 
     schedule: Schedule = Schedule["1F1B"]
@@ -131,9 +150,11 @@ class PlanOptions:
     chunks_per_stage: int = 2
     state_multiplier: float = 4.0
     memory_limit_gb: float | None = None
+    activation_checkpointing: Checkpointing = Checkpointing.auto
 
     def __post_init__(self) -> None:
         as_enum(self, "schedule", Schedule, choices(Schedule))
+        as_enum(self, "activation_checkpointing", Checkpointing, choices(Checkpointing))
         as_enum(self, "layout", LayoutKind, choices(LayoutKind))
         as_enum(self, "sharding", Sharding, choices(Sharding))
         as_enum(self, "backend", Backend, choices(Backend))

@@ -182,8 +182,7 @@ class _Search:
         earlier = range(stage, v, pp)
         ranges = [(path.start(u), path.stops[u]) for u in earlier] + [(start, stop)]
         params = sum(c.param_bytes(a, b) for a, b in ranges)
-        stash = [c.stash_bytes(a, b) for a, b in ranges] + [0.0] * (chunks - len(ranges))
-        if not c.fits(stage, params, stash):
+        if not c.fits(stage, params, ranges):
             return None
         work = sum(path.forward[u] + path.backward[u] for u in earlier) + forward + backward
         tail, ends = None, 0.0

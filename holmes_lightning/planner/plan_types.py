@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from holmes_lightning.planner.options import Backend, LayoutKind, Schedule, Sharding
+from holmes_lightning.planner.options import Backend, Checkpointing, LayoutKind, Schedule, Sharding
 from holmes_lightning.topology import LinkKind, NICKind
 
 PLAN_VERSION = 2  # 2: typed stage facts (clusters, nics, link kinds), `rdma` and `pp_links`
@@ -24,7 +24,7 @@ class StagePlan:
     each in a Holmes layout, several in a NIC-unaware one. `sync_s` is the stage's DP gradient sync per step over
     `dp_link`, `exposed_sync_s` the part the computation does not hide, `closing_s` a pipelined step's all-reduce of
     the loss over every rank after it, `update_s` the optimizer step after that; `memory_gb` the estimated peak per
-    device.
+    device; `checkpointing` which of its layers keep only their input (`Checkpointing.recomputed`).
     """
 
     index: int
@@ -46,6 +46,7 @@ class StagePlan:
     closing_s: float = 0.0
     update_s: float = 0.0
     memory_gb: float = 0.0
+    checkpointing: Checkpointing = Checkpointing.off
 
     @property
     def layers(self) -> list[int]:
@@ -229,6 +230,7 @@ def _stage_from_json(data: dict[str, Any], version: int) -> StagePlan:
     data["nics"] = tuple(NICKind(nic) for nic in data["nics"])
     data["dp_link"] = LinkKind(data.get("dp_link", LinkKind.INTRA_NODE))
     data["send_link"] = None if data.get("send_link") is None else LinkKind(data["send_link"])
+    data["checkpointing"] = Checkpointing(data.get("checkpointing", Checkpointing.off))
     return StagePlan(**data)
 
 

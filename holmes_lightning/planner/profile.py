@@ -44,12 +44,14 @@ class LayerProfile:
 
 @dataclass(frozen=True)
 class ModelProfile:
-    """A model as an ordered list of pipeline layers (for a GPT: embedding, blocks, head)."""
+    """A model as an ordered list of pipeline layers (for a GPT: embedding, blocks, head); `input_bytes`: the first
+    layer's inputs per sample (what a checkpointed first layer keeps)."""
 
     name: str
     layers: tuple[LayerProfile, ...]
     tokens_per_sample: int
     measured_tflops: float | None = None
+    input_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -69,6 +71,10 @@ class ModelProfile:
     @property
     def param_bytes(self) -> float:
         return sum(layer.param_bytes for layer in self.layers)
+
+    def input_of(self, index: int) -> float:
+        """Bytes per sample of layer `index`'s input: the previous layer's output, or the model's inputs."""
+        return self.layers[index - 1].activation_bytes if index else self.input_bytes
 
     @classmethod
     def from_gpt(cls, model: GPTShape, bytes_per_value: int = 2) -> ModelProfile:
@@ -93,4 +99,4 @@ class ModelProfile:
         head_stash = 2 * hidden_out + 2 * logits  # norm's input and output; the logits and the loss's copy of them
         head = LayerProfile("head", head_flops, 2 * head_flops, head_params, logits, head_stash)
         blocks = tuple(replace(block, name=f"block{i}") for i in range(model.n_layers))
-        return cls(model.name, (embedding, *blocks, head), tokens_per_sample=s)
+        return cls(model.name, (embedding, *blocks, head), tokens_per_sample=s, input_bytes=s * 8)  # int64 token ids

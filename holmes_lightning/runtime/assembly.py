@@ -17,6 +17,7 @@ from holmes_lightning.runtime.contract import check_contract, keep_owned_layers,
 from holmes_lightning.runtime.groups import PlanMesh
 from holmes_lightning.runtime.materialize import is_meta, materialize, meta_twins
 from holmes_lightning.runtime.pipeline import LayerChain, Pipeline
+from holmes_lightning.runtime.recompute import checkpoint_layers
 from holmes_lightning.runtime.sharding import parallelize
 from holmes_lightning.runtime.ties import Tie, TiedCopies, across_stages
 
@@ -48,18 +49,20 @@ def assemble(
         keep_owned_layers(module, layers, set(owned))
         module.example_input_array = None  # the whole forward no longer runs here (model summary would call it)
     twins = meta_twins(layers, owned) if layers and is_meta(module) else {}
+    # 2. activation checkpointing (before sharding: FSDP's hooks wrap the recomputing forward)
+    checkpoint_layers(layers, owned, stage.checkpointing)
     if not plan.is_pipelined:
-        # 2. shard (or replicate) over the stage's DP mesh, 3. allocate and initialise
+        # 3. shard (or replicate) over the stage's DP mesh, 4. allocate and initialise
         parallelize(module, layers=layers, mesh=mesh.dp_mesh, plan=plan, mp_policy=mp_policy)
         _materialize(module, layers=layers, twins=twins, device=device, seed=seed, ties=ties)
         return None
-    # virtual stages, possibly all on this rank (pp=1, Interleaved1F1B): 2. shard each chunk, 3. allocate, initialise
+    # virtual stages, possibly all on this rank (pp=1, Interleaved1F1B): 3. shard each chunk, 4. allocate, initialise
     chunks = [LayerChain(*layers[start:stop]) for start, stop in stage.chunks]
     syncs = [
         parallelize(chunk, layers=list(chunk), mesh=mesh.dp_mesh, plan=plan, mp_policy=mp_policy) for chunk in chunks
     ]
     _materialize(module, layers=layers, twins=twins, device=device, seed=seed, ties=ties)
-    # 4. copies of weights tied across stages start equal and sum their gradients; 5. the pipeline stages, schedule
+    # 5. copies of weights tied across stages start equal and sum their gradients; 6. the pipeline stages, schedule
     tied = TiedCopies(across_stages(ties, plan), layers, set(owned), mesh.tie_groups)
     tied.broadcast_values()
     syncs.append(tied.sum_gradients if tied.copies else None)

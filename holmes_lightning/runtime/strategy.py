@@ -44,6 +44,7 @@ from holmes_lightning.measure.calibration import Calibration
 from holmes_lightning.planner import (
     Backend,
     BatchSettings,
+    Checkpointing,
     LayoutKind,
     MachineCosts,
     ModelProfile,
@@ -87,7 +88,9 @@ class HolmesStrategy(ModelParallelStrategy):
             `replica_batch_size` samples per step. microbatches: per step and replica; None lets the planner choose.
         options: every plan setting (`holmes_lightning.planner.PlanOptions`: degrees, schedule, partition, layout,
             sharding, `memory_limit_gb`); the same object train.py and the plan CLI take.
-        schedule, partition, pp, dp, sharding, layout: shorthands that override the same fields of `options`.
+        schedule, partition, pp, dp, sharding, layout, activation_checkpointing: shorthands that override the same
+            fields of `options` (activation_checkpointing: "off", "full", "selective" or "auto", the default: full
+            only where no plan fits `memory_limit_gb` without it).
             layout="nic_unaware" is Megatron's rank order with IB and RoCE on TCP. sharding: "fsdp" (FSDP2 inside
             each stage), "none" (full replicas, gradients all-reduced) or "auto" (the planner's pick for this
             backend: FSDP unless replicas are faster, as on gloo, whose reduce-scatter costs a whole all-reduce).
@@ -122,6 +125,7 @@ class HolmesStrategy(ModelParallelStrategy):
         dp: int | None = None,
         sharding: Sharding | str | None = None,
         layout: LayoutKind | str | None = None,
+        activation_checkpointing: Checkpointing | str | None = None,
         plan: Plan | str | Path | None = None,
         profile: ModelProfile | None = None,
         calibrate: bool = True,
@@ -130,7 +134,7 @@ class HolmesStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
     ) -> None:
         given = {"schedule": schedule, "partition": partition, "pp": pp, "dp": dp, "sharding": sharding}
-        given["layout"] = layout
+        given.update(layout=layout, activation_checkpointing=activation_checkpointing)
         try:  # every setting is checked here, before any rank starts
             self.options = replace(options or PlanOptions(), **{k: v for k, v in given.items() if v is not None})
             self.batch = BatchSettings.requested(global_batch, microbatches)
