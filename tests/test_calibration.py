@@ -11,8 +11,10 @@ from torch import nn
 
 from holmes_lightning.measure import calibration, together
 from holmes_lightning.measure.calibration import Calibration, Measurement
+from holmes_lightning.measure.together import cross_node_partners
 from holmes_lightning.planner import LayerProfile, MachineCosts, ModelProfile
 from holmes_lightning.runtime import HolmesStrategy
+from holmes_lightning.topology import Topology
 
 MEASURED = Measurement(
     device="cpu:test",
@@ -156,3 +158,32 @@ def test_a_strategy_that_calibrates_refuses_a_bad_calibration_time_when_it_is_bu
     with pytest.raises(ValueError, match="HOLMES_CALIBRATION_SECONDS='soon'"):
         HolmesStrategy(cluster="single_node")
     assert HolmesStrategy(cluster="single_node", calibrate=False).calibrate is False  # it never times anything
+
+
+def test_a_hand_off_is_timed_between_nodes_as_a_pipelines_messages_cross_them():
+    """Nodes pair up in order and ranks by position; a node left over has no partner; one node: neighbours."""
+    three_nodes = Topology.from_config("three_cluster")  # 8 nodes of 1 rank
+    assert cross_node_partners(three_nodes) == [1, 0, 3, 2, 5, 4, 7, 6]
+    wide = Topology.from_config({"name": "w", "devices_per_node": 2, "clusters": [{"name": "a", "nodes": 3}]})
+    assert cross_node_partners(wide) == [2, 3, 0, 1, -1, -1]
+    assert cross_node_partners(Topology.from_config("single_node")) == [1, 0]
+
+
+def test_a_device_faster_than_its_config_is_planned_as_measured():
+    faster = Calibration.of(MEASURED, three_layers(), share=1.0, peak_tflops=0.1)
+    assert faster.costs.efficiency == pytest.approx(faster.device_tflops / 0.1) and faster.costs.efficiency > 1
+
+
+def test_layers_are_timed_in_the_precision_training_runs_and_cached_per_precision(tmp_path, monkeypatch):
+    monkeypatch.setenv(calibration.CACHE_ENV, str(tmp_path))
+    seen: list[torch.dtype] = []
+    layers = stranger_layers()
+    layers[0].register_forward_hook(lambda _module, _args, out: seen.append(out.dtype))
+    sample = torch.randn(1, 6)
+    for precision in ("32-true", "bf16-mixed", "bf16-true"):
+        measured = calibration.measure(layers, sample, device=torch.device("cpu"), seconds=0, precision=precision)
+        assert measured.per_sample_s >= 0 and measured.pass_overhead_s > 0
+    assert {torch.float32, torch.bfloat16} <= set(seen)  # autocast, then layers held in bf16
+    assert len(list(tmp_path.glob("*.json"))) == 3  # one cached measurement per precision
+    with pytest.raises(ValueError, match=r"precision='8-bit' cannot be calibrated; use one of"):
+        calibration.measure(layers, sample, device=torch.device("cpu"), precision="8-bit")

@@ -6,6 +6,8 @@ import os
 from dataclasses import replace
 
 import pytest
+import torch
+from distributed import run_ranks
 
 from holmes_lightning import planner
 from holmes_lightning.cli.config import ModelConfig
@@ -82,19 +84,21 @@ def test_a_fabric_still_to_be_detected_counts_as_spanning() -> None:
 def test_each_node_gets_its_clusters_settings_and_an_exact_interface() -> None:
     spec = load_cluster_spec(MIXED)
     ib_node = nccl.node_settings(spec, node_rank=1, environ={}, detected_interface="eth0")
-    assert ib_node.values == {"NCCL_SOCKET_IFNAME": "=eth0", "NCCL_IB_HCA": "=mlx5_0:1,mlx5_1:1"}
+    sockets = {"NCCL_SOCKET_NTHREADS": "4", "NCCL_NSOCKS_PERTHREAD": "4"}  # TCP groups: 16 sockets per peer
+    assert ib_node.values == {"NCCL_SOCKET_IFNAME": "=eth0", "NCCL_IB_HCA": "=mlx5_0:1,mlx5_1:1", **sockets}
     roce_node = nccl.node_settings(spec, node_rank=2, environ={}, detected_interface="eth0")
-    assert roce_node.values == {"NCCL_SOCKET_IFNAME": "=bond0", "NCCL_IB_GID_INDEX": "3"}  # the config's interface
+    assert roce_node.values == {"NCCL_SOCKET_IFNAME": "=bond0", "NCCL_IB_GID_INDEX": "3", **sockets}  # its interface
     assert nccl.node_settings(spec, node_rank=9, environ={}, detected_interface="eth0").values == {}
 
 
 def test_variables_the_user_set_win_and_are_named() -> None:
-    environ = {"NCCL_SOCKET_IFNAME": "ens1", "NCCL_IB_HCA": "mlx5_4"}
+    environ = {"NCCL_SOCKET_IFNAME": "ens1", "NCCL_IB_HCA": "mlx5_4", "NCCL_SOCKET_NTHREADS": "2"}
     settings = nccl.node_settings(load_cluster_spec(MIXED), node_rank=0, environ=environ, detected_interface="eth0")
-    assert settings.values == {}
+    assert settings.values == {"NCCL_NSOCKS_PERTHREAD": "4"}
     assert settings.overruled == {
         "NCCL_SOCKET_IFNAME": ("ens1", "=eth0"),
         "NCCL_IB_HCA": ("mlx5_4", "=mlx5_0:1,mlx5_1:1"),
+        "NCCL_SOCKET_NTHREADS": ("2", "4"),
     }
     assert "NCCL_IB_HCA=mlx5_4 from the environment wins (ours: =mlx5_0:1,mlx5_1:1)" in settings.notes()
 
@@ -112,12 +116,13 @@ def test_the_interface_is_the_one_holding_the_nodes_address() -> None:
 
 def test_a_process_detects_and_sets_its_interface(monkeypatch: pytest.MonkeyPatch) -> None:
     """On this machine: the node address 127.0.0.1 is held by the loopback interface."""
-    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "unset below; restored after the test")
-    monkeypatch.delenv("NCCL_SOCKET_IFNAME")
+    for name in ("NCCL_SOCKET_IFNAME", "NCCL_SOCKET_NTHREADS", "NCCL_NSOCKS_PERTHREAD"):
+        monkeypatch.setenv(name, "unset below; restored after the test")
+        monkeypatch.delenv(name)
     loopback = nccl.interface_holding("127.0.0.1", nccl.local_interfaces())
     spec = load_cluster_spec("two_cluster_mixed")
     settings = nccl.set_up_process(spec, node_rank=0, node_address="127.0.0.1", rendezvous=("127.0.0.1", 1))
-    assert settings.values == {"NCCL_SOCKET_IFNAME": f"={loopback}"}
+    assert settings.values["NCCL_SOCKET_IFNAME"] == f"={loopback}"
     assert os.environ["NCCL_SOCKET_IFNAME"] == f"={loopback}"
 
 
@@ -140,3 +145,35 @@ def test_bad_nccl_settings_in_a_cluster_config_are_refused(nic: dict, message: s
 def test_nccl_settings_survive_the_config_schema() -> None:
     nic = load_cluster_spec(MIXED).clusters[1].nic
     assert (nic.kind, nic.gid_index, nic.socket_ifname, nic.hca) == (NICKind.roce, 3, "bond0", None)
+
+
+def probe_with_a_silent_member() -> str:
+    """Rank side: a group of both ranks whose rank 1 never joins the probe; rank 0's error, and how long it took."""
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from holmes_lightning.runtime.groups import GroupSpec, Transport, connected_group, new_group
+
+    spec, transport, job_timeout = GroupSpec("dp7", (0, 1), LinkKind.TCP), Transport(LinkKind.TCP, None), 60
+    dist.init_process_group("gloo", timeout=timedelta(seconds=job_timeout))
+    if dist.get_rank() == 1:
+        new_group(spec.ranks, "gloo", transport, timedelta(seconds=job_timeout), name=spec.name)
+        time.sleep(4)
+        return ""
+    start = time.monotonic()
+    try:
+        probe = timedelta(seconds=2)
+        connected_group(spec, "gloo", transport, timedelta(seconds=job_timeout), torch.device("cpu"), probe)
+    except RuntimeError as error:
+        return f"{time.monotonic() - start:.1f} {error}"
+    return "connected"
+
+
+@pytest.mark.slow
+def test_a_group_that_cannot_connect_fails_at_start_by_name_not_after_the_jobs_timeout() -> None:
+    first, _ = run_ranks("test_nccl:probe_with_a_silent_member", cluster="single_node", timeout_s=60)
+    seconds, message = first.split(" ", 1)
+    assert 2 <= float(seconds) < 10  # the probe's 2 s, not the job's 60
+    assert message.startswith("process group dp7 (ranks [0, 1], tcp link, gloo) could not be set up")

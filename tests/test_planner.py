@@ -5,6 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from holmes_lightning.cli.config import ModelConfig
+from holmes_lightning.measure.host import available_memory_gb
 from holmes_lightning.planner import (
     Backend,
     BatchSettings,
@@ -208,7 +209,7 @@ def test_infeasible_requests_name_the_setting_and_a_fix(cluster, batch, options,
         (lambda: PlanOptions(partition=[2, 0]), "PlanOptions(partition=[2, 0]): use auto, uniform"),
         (lambda: PlanOptions(memory_limit_gb=0), "PlanOptions(memory_limit_gb=0): use the device memory in GB"),
         (lambda: BatchSettings(0), "BatchSettings(global_batch=0): use a positive number of samples"),
-        (lambda: MachineCosts(efficiency=1.5), "MachineCosts(efficiency=1.5): use a fraction of peak in (0, 1]"),
+        (lambda: MachineCosts(efficiency=0), "MachineCosts(efficiency=0): use a fraction of peak > 0"),
         (lambda: MachineCosts(latency_s=-1.0), "MachineCosts(latency_s=-1.0): use seconds >= 0"),
         (lambda: MachineCosts(shared_cores=0), "MachineCosts(shared_cores=0): use the machine's core count"),
     ],
@@ -352,3 +353,25 @@ def test_auto_checkpointing_turns_on_only_when_nothing_fits_otherwise():
     assert any("activation checkpointing turned on (full)" in note for note in limited.notes)
     roomy = best_plan(topology, GPT_7_5B, batch, options=PlanOptions(memory_limit_gb=10_000))
     assert roomy == free
+
+
+def test_the_devices_memory_bounds_every_plan_as_the_users_limit_does():
+    """A rank's device memory for training (measured at job start: `MachineCosts.device_memory_gb`) bounds the plan
+    as `memory_limit_gb` does; with both, the smaller; errors and notes say which."""
+    topology, batch = Topology.from_config("two_cluster_mixed"), BatchSettings(64)
+    by_user = best_plan(topology, GPT_7_5B, batch, options=PlanOptions(memory_limit_gb=20))
+    by_device = best_plan(topology, GPT_7_5B, batch, costs=MachineCosts(device_memory_gb=20))
+    assert by_device.stages == by_user.stages and max(s.memory_gb for s in by_device.stages) <= 20
+    assert any("the device's 20 GB for training" in note for note in by_device.notes)
+    both = best_plan(
+        topology, GPT_7_5B, batch, options=PlanOptions(memory_limit_gb=500), costs=MachineCosts(device_memory_gb=20)
+    )
+    assert both.stages == by_user.stages
+    with pytest.raises(PlanError, match="fits the device's 0.5 GB for training"):
+        best_plan(topology, GPT_7_5B, batch, costs=MachineCosts(device_memory_gb=0.5))
+
+
+def test_a_hosts_available_memory_is_read_from_meminfo():
+    meminfo = "MemTotal:       24000000 kB\nMemFree:         1000000 kB\nMemAvailable:   20000000 kB\n"
+    assert available_memory_gb(meminfo) == pytest.approx(20000000 * 1024 / 1e9)
+    assert available_memory_gb("MemTotal: 1 kB\n") is None

@@ -39,9 +39,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from holmes_lightning.measure.layer_io import Flow, apply, backward, detached, moved, nbytes, repeated, samples, shapes
+from holmes_lightning.measure.layer_io import (
+    Flow,
+    apply,
+    as_tuple,
+    backward,
+    detached,
+    moved,
+    nbytes,
+    repeated,
+    samples,
+    shapes,
+)
 from holmes_lightning.planner import MachineCosts, ModelProfile
 
 FIT_SAMPLES = (1, 4)  # forward + backward is timed at 1 sample and at 4 or, for a small layer, a multiple of it
@@ -51,7 +62,16 @@ LAYER_SECONDS = 1.5  # each distinct layer is timed this long: the machine's spe
 MIN_ROUNDS = 3  # and at least this many rounds after a warm-up one
 CACHE_ENV = "HOLMES_CALIBRATION_DIR"
 SECONDS_ENV = "HOLMES_CALIBRATION_SECONDS"  # overrides LAYER_SECONDS
-CACHE_VERSION = 3
+CACHE_VERSION = 4  # 4: per precision
+# Lightning's precision -> (the dtype the layers hold, the dtype autocast computes in); what the runtime trains with
+PRECISIONS: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = {
+    "32-true": (None, None),
+    "64-true": (torch.float64, None),
+    "bf16-true": (torch.bfloat16, None),
+    "16-true": (torch.float16, None),
+    "bf16-mixed": (None, torch.bfloat16),
+    "16-mixed": (None, torch.float16),
+}
 
 
 @dataclass(frozen=True)
@@ -110,7 +130,7 @@ class Calibration:
         per_layer = profile.num_layers * share
         costs = replace(
             assumed,
-            efficiency=1.0 if peak_tflops is None else min(1.0, device_tflops / peak_tflops),
+            efficiency=1.0 if peak_tflops is None else device_tflops / peak_tflops,
             layer_overhead_s=measured.pass_overhead_s / per_layer,
             optimizer_s_per_gb=measured.optimizer_s / (profile.param_bytes / 1e9) / share,
             fsdp_layer_s=measured.fsdp_pass_s / per_layer,
@@ -181,18 +201,23 @@ def measure(
     seconds: float | None = None,
     group: dist.ProcessGroup | None = None,
     fresh: bool = False,
+    precision: str = "32-true",
 ) -> Measurement:
     """Time `layers` (applied in order to `sample`, samples first) on `device`, each distinct one for `seconds` (None:
-    `layer_seconds()`), or read the cached result (`fresh`: time them anyway and cache the new result).
+    `layer_seconds()`), or read the cached result (`fresh`: time them anyway and cache the new result). Under
+    Lightning's `precision` as training runs it: bf16-mixed computes under autocast and shards with FSDP2's bf16
+    mixed-precision policy, bf16-true holds the layers in bf16.
 
     FSDP2 runs on `group`, a group of this rank alone; None: a world of one process made for the moment (there must
     be no default group then).
     """
-    path = cache_dir() / f"{_cache_key(layers, sample, device)}.json"
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} cannot be calibrated; use one of {list(PRECISIONS)}")
+    path = cache_dir() / f"{_cache_key(layers, sample, device, precision)}.json"
     if path.is_file() and not fresh:
         return Measurement(**json.loads(path.read_text()))
     seconds = layer_seconds() if seconds is None else seconds
-    measured = _measure(layers, sample, device=device, seconds=seconds, group=group)
+    measured = _measure(layers, sample, device=device, seconds=seconds, group=group, precision=precision)
     write_whole(path, asdict(measured))
     return measured
 
@@ -232,10 +257,11 @@ def device_name(device: torch.device) -> str:
     return f"cpu:{models[0] if models else platform.processor()} x{os.cpu_count()}"
 
 
-def _cache_key(layers: Sequence[nn.Module], sample: Flow, device: torch.device) -> str:
+def _cache_key(layers: Sequence[nn.Module], sample: Flow, device: torch.device, precision: str) -> str:
     shape = {
         "version": CACHE_VERSION,
         "device": device_name(device),
+        "precision": precision,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "samples": [FIT_SAMPLES, SLOPE_RATIO, MAX_SLOPE_BYTES],
@@ -268,6 +294,7 @@ def _measure(
     device: torch.device,
     seconds: float,
     group: dist.ProcessGroup | None,
+    precision: str,
 ) -> Measurement:
     """Each distinct layer timed once on the input it gets in the model; repeats of it count its times again."""
     threads = torch.get_num_threads()
@@ -275,14 +302,16 @@ def _measure(
         torch.set_num_threads(1)  # a lab rank is one thread
     times: dict[str, tuple[_LayerTimes, Flow]] = {}
     total: list[_LayerTimes] = []
+    held, _ = PRECISIONS[precision]
     x = moved(samples(sample, 1), device)  # one sample: FIT_SAMPLES sets the batch sizes timed
+    x = x if held is None else _in_dtype(x, held)
     try:
         random_state = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
         with random_state, _single_rank_mesh(device, group) as mesh:
             for layer in layers:
                 key = json.dumps([_signature(layer), shapes(x)])
                 if key not in times:
-                    times[key] = _time_layer(layer, x, mesh=mesh, device=device, seconds=seconds)
+                    times[key] = _time_layer(layer, x, mesh=mesh, device=device, seconds=seconds, precision=precision)
                 layer_times, x = times[key]
                 total.append(layer_times)
     finally:
@@ -299,31 +328,36 @@ def _measure(
 
 
 def _time_layer(
-    layer: nn.Module, x: Flow, *, mesh: DeviceMesh, device: torch.device, seconds: float
+    layer: nn.Module, x: Flow, *, mesh: DeviceMesh, device: torch.device, seconds: float, precision: str
 ) -> tuple[_LayerTimes, Flow]:
     """One layer's times (medians of rounds over `seconds`, every kind of pass in each), and its output on one sample
     (the next layer's input)."""
-    plain, kept, resharded = (_copy_on(layer, device) for _ in range(3))
+    held, computed = PRECISIONS[precision]
+    plain, kept, resharded = (_copy_on(layer, device, held) for _ in range(3))
+    policy = MixedPrecisionPolicy(computed, torch.float32) if computed is torch.bfloat16 else MixedPrecisionPolicy()
     for wrapped, reshard in ((kept, False), (resharded, True)):
-        fully_shard(wrapped, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(wrapped, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     kept.set_requires_gradient_sync(False)  # a pipeline's micro-batches: gradients accumulate, weights stay gathered
     kept.set_reshard_after_backward(False)
-    few, many = FIT_SAMPLES[0], _slope_samples(plain, x, device)
+    autocast = torch.autocast(device.type, dtype=computed, enabled=computed is not None)
+    with autocast:
+        few, many = FIT_SAMPLES[0], _slope_samples(plain, x, device)
     inputs = {n: repeated(x, n) for n in (few, many)}
     runs: dict[str, list[float]] = {name: [] for name in ("few", "many", "kept", "resharded", "adam", "adam_fsdp")}
     optimizers = {id(net): _adamw(net) for net in (plain, resharded)}
     start, rounds = time.perf_counter(), 0
     while rounds <= MIN_ROUNDS or time.perf_counter() - start < seconds:
         rounds += 1  # the first round warms up allocator and kernels
-        runs["few"].append(_pass_s(plain, inputs[few], device))
-        runs["many"].append(_pass_s(plain, inputs[many], device))
-        runs["kept"].append(_pass_s(kept, inputs[few], device))
-        runs["resharded"].append(_pass_s(resharded, inputs[few], device))
+        with autocast:
+            runs["few"].append(_pass_s(plain, inputs[few], device))
+            runs["many"].append(_pass_s(plain, inputs[many], device))
+            runs["kept"].append(_pass_s(kept, inputs[few], device))
+            runs["resharded"].append(_pass_s(resharded, inputs[few], device))
         runs["adam"].append(_step_s(optimizers[id(plain)], device))
         runs["adam_fsdp"].append(_step_s(optimizers[id(resharded)], device))
     median = {name: statistics.median(values[1:]) for name, values in runs.items()}
     per_sample = max(median["many"] - median["few"], 0.0) / (many - few)
-    with torch.no_grad():
+    with torch.no_grad(), autocast:
         out = apply(plain, x)
     return (
         _LayerTimes(
@@ -353,12 +387,13 @@ def _slope_samples(net: nn.Module, x: Flow, device: torch.device) -> int:
     return many
 
 
-def _copy_on(layer: nn.Module, device: torch.device) -> nn.Module:
-    """A copy of `layer` on `device` with storage (a meta layer's filled with small random values)."""
+def _copy_on(layer: nn.Module, device: torch.device, dtype: torch.dtype | None) -> nn.Module:
+    """A copy of `layer` on `device` with storage (a meta layer's filled with small random values), its floating
+    tensors in `dtype` (None: as they are)."""
     twin = copy.deepcopy(layer)
     if not any(t.is_meta for t in (*twin.parameters(), *twin.buffers())):
-        return twin.to(device)
-    twin = twin.to_empty(device=device)
+        return twin.to(device) if dtype is None else twin.to(device, dtype)
+    twin = twin.to_empty(device=device) if dtype is None else twin.to_empty(device=device).to(dtype)
     with torch.no_grad():
         for tensor in (*twin.parameters(), *twin.buffers()):
             tensor.normal_(0.0, 0.02) if tensor.is_floating_point() else tensor.zero_()
@@ -373,6 +408,12 @@ def _pass_s(net: nn.Module, inputs: Flow, device: torch.device) -> float:
     backward(apply(net, inputs))
     synchronize(device)
     return time.perf_counter() - start
+
+
+def _in_dtype(flow: Flow, dtype: torch.dtype) -> Flow:
+    """`flow`'s floating tensors in `dtype` (a model held in it takes them so)."""
+    tensors = tuple(t.to(dtype) if t.is_floating_point() else t for t in as_tuple(flow))
+    return tensors if isinstance(flow, tuple) else tensors[0]
 
 
 def _adamw(net: nn.Module) -> torch.optim.Optimizer | None:

@@ -1,5 +1,5 @@
-"""This machine as the lab and the bench see it: its cores, one single-thread rank's matmul speed, and a process's
-resident memory (to check the planner's memory estimate)."""
+"""This machine as the lab and the bench see it: its cores, one single-thread rank's matmul speed, a process's
+resident memory (to check the planner's memory estimate), and the memory a rank may plan to allocate."""
 
 from __future__ import annotations
 
@@ -11,6 +11,10 @@ from pathlib import Path
 import torch
 
 MATMUL_SIZE = 384
+GPU_RESERVE_GB = 1.5  # the CUDA context (~0.5 GB) and NCCL's buffers (a few communicators of ~0.1-0.2 GB each)
+GPU_RESERVE_SHARE = 0.05  # what the caching allocator loses to fragmentation
+CPU_BASELINE_GB = 0.5  # a rank process's own memory: interpreter, torch, Lightning (0.43 GB of RSS measured here)
+MEMINFO = Path("/proc/meminfo")
 
 
 def cpu_gflops(seconds: float = 0.25) -> float:
@@ -55,3 +59,23 @@ def resident_bytes() -> int:
 def peak_resident_bytes() -> int:
     """The most resident memory this process has held so far (Linux reports kilobytes)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def training_memory_gb(device: torch.device, ranks_on_host: int) -> float | None:
+    """What one rank may plan to allocate for training (the planner's memory estimate leaves out the process's own
+    baseline): a GPU's memory less `GPU_RESERVE_SHARE` and `GPU_RESERVE_GB`; on CPU the host's available memory shared
+    by its ranks, less each one's baseline. None where neither is known."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory / 1e9
+        return total * (1 - GPU_RESERVE_SHARE) - GPU_RESERVE_GB
+    available = available_memory_gb(MEMINFO.read_text()) if MEMINFO.is_file() else None
+    return None if available is None else max(available / ranks_on_host - CPU_BASELINE_GB, 0.1)
+
+
+def available_memory_gb(meminfo: str) -> float | None:
+    """`MemAvailable` of /proc/meminfo's text, in GB."""
+    for line in meminfo.splitlines():
+        name, _, value = line.partition(":")
+        if name == "MemAvailable":
+            return int(value.split()[0]) * 1024 / 1e9
+    return None

@@ -13,7 +13,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from holmes_lightning.launch.processes import free_port
 from holmes_lightning.measure.calibration import CACHE_VERSION, cache_dir, device_name, synchronize, write_whole
+from holmes_lightning.topology import Topology
 
 TRANSFER_BYTES = 128 * 2**20  # what `transfer_cpu_s_per_byte` sends, in messages of TRANSFER_MESSAGE_BYTES
 TRANSFER_MESSAGE_BYTES = 4 * 2**20
@@ -38,29 +39,50 @@ class Handoff(NamedTuple):
     cpu_s: float
 
 
-def handoff(device: torch.device, *, burst_s: float = HANDOFF_BURST_S, rounds: int = HANDOFF_ROUNDS) -> Handoff:
+def cross_node_partners(topology: Topology) -> list[int]:
+    """Per rank, a partner on another node (nodes paired in order, ranks by position; -1: none), so a hand-off
+    crosses the network as a pipeline's messages between stages do; one node: neighbours on it (0-1, 2-3, ...)."""
+    world = topology.world_size
+    if len(topology.nodes) == 1:
+        return [rank ^ 1 if rank ^ 1 < world else -1 for rank in range(world)]
+    partners = [-1] * world
+    for first, second in zip(topology.nodes[::2], topology.nodes[1::2], strict=False):
+        for a, b in zip(first.ranks, second.ranks, strict=False):
+            partners[a], partners[b] = b, a
+    return partners
+
+
+def handoff(
+    device: torch.device,
+    *,
+    partners: Sequence[int] | None = None,
+    burst_s: float = HANDOFF_BURST_S,
+    rounds: int = HANDOFF_ROUNDS,
+) -> Handoff:
     """A pipeline's hand-off between two ranks, timed while every rank computes.
 
-    Every rank of the default group calls it. Ranks pair up (0-1, 2-3, ...); all first compute `rounds` bursts of
-    `burst_s` (this thread's CPU time, whatever else runs), then compute as much and swap a message with their partner
-    after each burst; the difference per message is its latency (on a CPU whose cores the ranks share, mostly the
-    time a woken rank waits for one) and its CPU. Every rank gets the means over the pairs.
+    Every rank of the default group calls it. Ranks pair up (`partners[rank]`, -1: none; default 0-1, 2-3, ...); all
+    first compute `rounds` bursts of `burst_s` (this thread's CPU time, whatever else runs), then compute as much and
+    swap a message with their partner after each burst, the device synchronised after each (NCCL returns when the
+    work is queued), one exchange before both to build the communicators; the difference per message is its latency
+    (on a CPU whose cores the ranks share, mostly the time a woken rank waits for one) and its CPU. Every rank gets
+    the means over the pairs.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    partner = rank ^ 1
+    partner = (partners[rank] if partners is not None else rank ^ 1) if world > 1 else -1
     if world == 1:
         return Handoff(0.0, 0.0)
     message = torch.zeros(1, device=device)
 
     def exchange() -> None:
-        if partner >= world:
+        if not 0 <= partner < world:
             return
-        first, then = (dist.send, dist.recv) if rank % 2 == 0 else (dist.recv, dist.send)
+        first, then = (dist.send, dist.recv) if rank < partner else (dist.recv, dist.send)
         first(message, partner)
         then(message, partner)
 
     wall_s, cpu_s = _extra_per_round(exchange, device, burst_s=burst_s, rounds=rounds)
-    paired = float(partner < world)
+    paired = float(0 <= partner < world)
     mine = torch.tensor([wall_s / 2 * paired, cpu_s * paired, paired], device=device)  # 2 messages per round
     dist.all_reduce(mine)
     latency_s, cpu_per_rank, pairs = (float(value) for value in mine)
@@ -93,8 +115,11 @@ def _extra_per_round(
     action: Callable[[], None], device: torch.device, *, burst_s: float, rounds: int
 ) -> tuple[float, float]:
     """What `action` adds to each of `rounds` bursts of computing `burst_s` (this thread's CPU time) on every rank:
-    wall seconds, and CPU seconds of this process (all its threads)."""
+    wall seconds, and CPU seconds of this process (all its threads). The action runs once before (warming up its
+    communicators), and the device is synchronised after each (its collectives done, not only queued)."""
     work = torch.full((64, 64), 0.01, device=device)
+    action()
+    synchronize(device)
     measured = []
     for act in (False, True):
         dist.barrier()
@@ -106,6 +131,7 @@ def _extra_per_round(
             synchronize(device)
             if act:
                 action()
+                synchronize(device)
         measured.append((time.perf_counter() - wall, time.process_time() - cpu))
     (wall_alone, cpu_alone), (wall, cpu) = measured
     return max(wall - wall_alone, 0.0) / rounds, max(cpu - cpu_alone, 0.0) / rounds

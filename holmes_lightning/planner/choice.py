@@ -73,7 +73,7 @@ def best_plan(
     _check_partition(profile, options)
     stats = stats if stats is not None else SearchStats()
     problems: list[str] = []
-    limit = options.memory_limit_gb * GB if options.memory_limit_gb else None
+    limit, bound = _memory_bound(options, costs)
     layouts = _layouts(topology, options, profile, problems)
     hardware = [StageHardware.of(topology, layout) for layout in layouts]
     stats.layouts += len(layouts)
@@ -103,13 +103,13 @@ def best_plan(
                     candidates.append(((a, i, j, k), candidate))
 
     def infeasible(candidate: Candidate, counts: tuple[int, ...] | None) -> None:
-        problems.append(_memory_problem(candidate, counts, options))
+        problems.append(_memory_problem(candidate, counts, bound))
 
     best = search(candidates, lambda candidate: _fixed_counts(options, candidate), stats, infeasible)
     if best is None:
         reasons = "\n  ".join(dict.fromkeys(problems)) or "no layout fits"
         raise PlanError(f"no feasible plan for {topology.name!r} and {profile.name!r}:\n  {reasons}")
-    return _as_plan(best.candidate, best.counts, options)
+    return _as_plan(best.candidate, best.counts, options, bound)
 
 
 def _checkpointing(options: PlanOptions, *, limited: bool) -> tuple[Checkpointing, ...]:
@@ -133,20 +133,34 @@ def _dominated(sharding: Sharding, layout: Layout, options: PlanOptions, costs: 
     return options.backend is Backend.nccl and pipelined and costs.free_hooks and sharding is Sharding.none
 
 
-def _memory_problem(candidate: Candidate, counts: tuple[int, ...] | None, options: PlanOptions) -> str:
-    """Why a candidate's split (None: every split) does not fit `memory_limit_gb`, and what to change."""
+def _memory_bound(options: PlanOptions, costs: MachineCosts) -> tuple[float | None, str]:
+    """The bytes a plan may take per device, and that limit in words: the user's `memory_limit_gb` or what the
+    device has for training (`costs.device_memory_gb`), the smaller; None: unbounded."""
+    bounds = []
+    if options.memory_limit_gb is not None:
+        bounds.append((options.memory_limit_gb, f"memory_limit_gb={options.memory_limit_gb}"))
+    if costs.device_memory_gb is not None:
+        device = costs.device_memory_gb
+        bounds.append((device, f"the device's {device:.3g} GB for training (its memory less a reserve)"))
+    if not bounds:
+        return None, ""
+    gb, words = min(bounds)
+    return gb * GB, words
+
+
+def _memory_problem(candidate: Candidate, counts: tuple[int, ...] | None, bound: str) -> str:
+    """Why a candidate's split (None: every split) does not fit the memory `bound`, and what to change."""
     fix = "use more stages (pp) or micro-batches (microbatches), or a larger limit"
     fix += ", or sharding=fsdp" if candidate.cost.sharding is not Sharding.fsdp else ""
     if counts is None:
         return (
             f"no partition of {candidate.cost.profile.name!r} over pp={candidate.layout.pp} with "
-            f"{candidate.microbatches} micro-batches fits memory_limit_gb={options.memory_limit_gb} per "
-            f"device; {fix}"
+            f"{candidate.microbatches} micro-batches fits {bound} per device; {fix}"
         )
     worst = max(candidate.stage_plans(counts), key=lambda stage: stage.memory_gb)
     return (
         f"stage {worst.index} (ranks {list(worst.ranks)}) needs about {worst.memory_gb:.1f} GB per device, above "
-        f"memory_limit_gb={options.memory_limit_gb}; {fix}"
+        f"{bound}; {fix}"
     )
 
 
@@ -161,7 +175,7 @@ def _fixed_counts(options: PlanOptions, candidate: Candidate) -> tuple[int, ...]
     return counts if len(counts) == pp * chunks else split_chunks(counts, chunks)
 
 
-def _as_plan(candidate: Candidate, counts: tuple[int, ...], options: PlanOptions) -> Plan:
+def _as_plan(candidate: Candidate, counts: tuple[int, ...], options: PlanOptions, bound: str) -> Plan:
     stages = candidate.stage_plans(counts)
     layout = candidate.layout
     return Plan(
@@ -172,7 +186,7 @@ def _as_plan(candidate: Candidate, counts: tuple[int, ...], options: PlanOptions
         microbatch_size=candidate.microbatch_size,
         prediction=candidate.predict(stages),
         num_layers=candidate.num_layers,
-        notes=_notes(layout, stages, options),
+        notes=_notes(layout, stages, options, bound),
         partition=options.partition.value if isinstance(options.partition, PartitionRule) else "explicit",
         sharding=candidate.cost.sharding,
         tokens_per_sample=candidate.cost.profile.tokens_per_sample,
@@ -398,13 +412,13 @@ def _microbatch_counts(
     return fitting
 
 
-def _notes(layout: Layout, stages: list[StagePlan], options: PlanOptions) -> tuple[str, ...]:
+def _notes(layout: Layout, stages: list[StagePlan], options: PlanOptions, bound: str) -> tuple[str, ...]:
     notes = []
     checkpointed = stages[0].checkpointing
     if options.activation_checkpointing is Checkpointing.auto and checkpointed is not Checkpointing.off:
         notes.append(
-            f"activation checkpointing turned on ({checkpointed}): no plan keeps every activation within "
-            f"memory_limit_gb={options.memory_limit_gb} per device"
+            f"activation checkpointing turned on ({checkpointed}): no plan keeps every activation within {bound} "
+            f"per device"
         )
     if not layout.rdma:
         notes.append("IB and RoCE share this job's communicators, so every one of them runs on TCP sockets")

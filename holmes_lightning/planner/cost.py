@@ -47,7 +47,8 @@ class MachineCosts:
     """What the machine costs the cost model: measured on the job's model at its start (`HolmesStrategy(calibrate=
     True)`, `measure.calibration`), else assumed (these defaults, or the `costs` the user gives).
 
-    efficiency: fraction of the device's peak TFLOPS layers reach. layer_overhead_s: seconds each layer adds to every
+    efficiency: fraction of the device's peak TFLOPS layers reach (above 1 where calibration measured the device
+    faster than the cluster config says). layer_overhead_s: seconds each layer adds to every
     micro-batch whatever its size (kernel launches, framework hooks), so more micro-batches are not free.
     optimizer_s_per_gb: optimizer step seconds per GB of parameters a rank holds. latency_s: seconds every message
     adds whatever its size (a pipeline transfer, each step of a ring collective). fsdp_layer_s / fsdp_reshard_layer_s:
@@ -57,10 +58,12 @@ class MachineCosts:
     computes on this many CPU cores of one machine (None: each rank on its own device). closing_s: seconds a
     pipelined step spends after its schedule in small collectives over every rank (None: the loss's all-reduce at
     latency_s). message_cpu_s: CPU seconds both ends of a pipeline message spend on it, which ranks sharing cores
-    lose for computing. See `CostModel` for how each enters the step.
+    lose for computing. device_memory_gb: what a rank may allocate for training (its device's memory less a
+    reserve), a bound on every plan besides the user's `memory_limit_gb` (None: unbounded). See `CostModel` for
+    how each enters the step.
     """
 
-    efficiency: float = _cost(0.5, (lambda value: 0 < value <= 1, "use a fraction of peak in (0, 1]"))
+    efficiency: float = _cost(0.5, (lambda value: value > 0, "use a fraction of peak > 0"))
     layer_overhead_s: float = _cost(0.0, compute=True)
     optimizer_s_per_gb: float = _cost(0.0, compute=True)
     latency_s: float = _cost(0.0)
@@ -73,6 +76,9 @@ class MachineCosts:
     )
     closing_s: float | None = _cost(None, OPTIONAL_NON_NEGATIVE)
     message_cpu_s: float = _cost(0.0)
+    device_memory_gb: float | None = _cost(
+        None, (lambda value: value is None or value > 0, "use the GB a rank may allocate, or None (unbounded)")
+    )
 
     def __post_init__(self) -> None:
         check_fields(self, {f.name: f.metadata["check"] for f in fields(self)})

@@ -29,6 +29,7 @@ from holmes_lightning.runtime.environment import NICGroupingEnvironment
 from holmes_lightning.topology import LinkKind, Topology
 
 BOUND_GLOO = "holmes_gloo"
+PROBE_TIMEOUT = timedelta(minutes=5)  # a group that cannot connect fails at start by this, not the job's timeout
 MESH_DIMS = ("pp", "dp")
 
 
@@ -138,9 +139,15 @@ def new_group(
 
 
 def connected_group(
-    spec: GroupSpec, backend: str, transport: Transport, timeout: timedelta, device: torch.device
+    spec: GroupSpec,
+    backend: str,
+    transport: Transport,
+    timeout: timedelta,
+    device: torch.device,
+    probe_timeout: timedelta = PROBE_TIMEOUT,
 ) -> dist.ProcessGroup:
-    """`new_group`, then one tiny all-reduce by its members, so its communicator exists (or fails, named) now."""
+    """`new_group`, then one tiny all-reduce by its members waited for at most `probe_timeout` (or the job's
+    `timeout`, if shorter), so its communicator exists now or the job fails at start naming the group."""
     net = nccl.group_net(spec.link, os.environ)
     talks = backend if backend != "nccl" else f"NCCL net {net}" if net else "NCCL's own net choice"
     where = f"process group {spec.name} (ranks {list(spec.ranks)}, {spec.link.value} link, {talks})"
@@ -148,8 +155,8 @@ def connected_group(
         group = new_group(spec.ranks, backend, transport, timeout, name=spec.name)
         if dist.get_rank() in spec.ranks:
             probe = torch.zeros(1, device=device)
-            dist.all_reduce(probe, group=group)
-            probe.item()  # waits for the collective
+            dist.all_reduce(probe, group=group, async_op=True).wait(timeout=min(timeout, probe_timeout))
+            probe.item()  # the device has it too
     except Exception as error:  # NCCL and gloo raise several types; all mean this group cannot talk
         raise RuntimeError(f"{where} could not be set up: {error}") from error
     return group

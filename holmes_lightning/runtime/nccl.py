@@ -24,6 +24,9 @@ from pathlib import Path
 from holmes_lightning.topology import ClusterGroupSpec, ClusterSpec, LinkKind, NICKind
 
 SOCKET_NET = "Socket"
+# NCCL's TCP transport defaults to 1 thread x 1 socket per peer (1-3 GB/s on 100 GbE); nccl-tests reach 4-6 GB/s
+# with several of each (their product at most 64)
+SOCKET_PARALLELISM = {"NCCL_SOCKET_NTHREADS": "4", "NCCL_NSOCKS_PERTHREAD": "4"}
 SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
 
@@ -61,10 +64,12 @@ def process_settings(
     hcas: Sequence[str] | None = None,
     gid_index: int | None = None,
 ) -> ProcessSettings:
-    """What this process sets before its first NCCL communicator; names match exactly (NCCL's `=` prefix)."""
+    """What this process sets before its first NCCL communicator; names match exactly (NCCL's `=` prefix). With a
+    socket interface (a job of several nodes, whose groups across NIC kinds run on TCP) the sockets in parallel."""
     wanted = {}
     if socket_interface:
         wanted["NCCL_SOCKET_IFNAME"] = f"={socket_interface}"
+        wanted.update(SOCKET_PARALLELISM)
     if hcas:
         wanted["NCCL_IB_HCA"] = "=" + ",".join(hcas)
     if gid_index is not None:

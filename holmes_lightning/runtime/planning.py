@@ -21,10 +21,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from holmes_lightning.measure import calibration
 from holmes_lightning.measure.calibration import Calibration
-from holmes_lightning.measure.host import available_cores, rank_share
+from holmes_lightning.measure.host import available_cores, rank_share, training_memory_gb
 from holmes_lightning.measure.layer_io import as_tuple
 from holmes_lightning.measure.profile import first_sample, profile_modules
-from holmes_lightning.measure.together import handoff, step_collectives_s
+from holmes_lightning.measure.together import cross_node_partners, handoff, step_collectives_s
 from holmes_lightning.planner import (
     Backend,
     BatchSettings,
@@ -54,7 +54,7 @@ LOOPS = {
 @dataclass(frozen=True)
 class PlanRequest:
     """What HolmesStrategy was asked for: plan settings, the batch, the machine's costs where it does not calibrate
-    them, whether to calibrate, and a plan or profile given instead of made."""
+    them, whether to calibrate (in the Trainer's `precision`), and a plan or profile given instead of made."""
 
     options: PlanOptions
     batch: BatchSettings | None
@@ -62,6 +62,7 @@ class PlanRequest:
     calibrate: bool
     plan: Plan | None = None
     profile: ModelProfile | None = None
+    precision: str = "32-true"
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ def agree_on_plan(
     """
     module = trainer.lightning_module
     calibrating = request.calibrate and request.plan is None and not missing_contract(module)
-    together = _measured_together(trainer, place.device) if calibrating else {}
+    together = _measured_together(trainer, place) if calibrating else {}
     alone = dist.new_group([0]) if calibrating else None  # FSDP2 is timed on a group of rank 0 alone
     outcome: AgreedPlan | Exception | None = None
     if dist.get_rank() == 0:
@@ -118,11 +119,11 @@ def agree_on_plan(
     return outcome
 
 
-def _measured_together(trainer: pl.Trainer, device: torch.device) -> dict[str, float]:
-    """The `MachineCosts` every rank measures at once: a message's latency and CPU while all compute, and what a
-    pipelined step's closing collectives take."""
-    message = handoff(device)
-    closing = step_collectives_s(device, step_collectives(trainer))
+def _measured_together(trainer: pl.Trainer, place: JobPlace) -> dict[str, float]:
+    """The `MachineCosts` every rank measures at once: a message's latency and CPU while all compute (between nodes,
+    as stages' messages cross them), and what a pipelined step's closing collectives take."""
+    message = handoff(place.device, partners=cross_node_partners(place.topology))
+    closing = step_collectives_s(place.device, step_collectives(trainer))
     return {"latency_s": message.latency_s, "message_cpu_s": message.cpu_s, "closing_s": closing}
 
 
@@ -143,13 +144,17 @@ def _plan_on_rank_zero(
         chosen = _checked(request.plan, place.topology)
     else:
         if together and sample is not None:
-            measured = _calibrate(
-                module, sample, profile, place=place, together=together, group=group, assumed=request.costs
-            )
+            measured = _calibrate(module, sample, profile, place=place, together=together, group=group, request=request)
         chosen = _make_plan(module, request, profile=profile, place=place, costs=measured.costs if measured else None)
     description = format_plan(chosen, profile)
     if measured is not None:
         description += f"\n  calibrated: {measured.describe()}"
+        if measured.costs.efficiency > 1:
+            configured = place.topology.node_of(0).device_tflops
+            description += (
+                f"\n  note: a rank here computes {measured.device_tflops:.3g} TFLOPS on this model, above the "
+                f"{configured:g} the cluster config gives its device: planned with the measurement; set device_tflops"
+            )
     return AgreedPlan(chosen, measured, description)
 
 
@@ -219,13 +224,15 @@ def _calibrate(
     place: JobPlace,
     together: dict[str, float],
     group: dist.ProcessGroup | None,
-    assumed: MachineCosts,
+    request: PlanRequest,
 ) -> Calibration:
-    """This rank's costs on the model (`calibration.measure`, cached per machine and model shape), compute as a
-    fraction of the configured speed of rank 0's device; what is not measured stays as `assumed`. CPU ranks that all
-    run on this host share its cores (the planner times that); spread over hosts, each is credited its share of its
-    host's cores."""
-    measured = calibration.measure(module.pipeline_layers(), sample, device=place.device, group=group)
+    """This rank's costs on the model in the request's precision (`calibration.measure`, cached per machine, model
+    shape and precision), compute as a fraction of the configured speed of rank 0's device; what is not measured
+    stays as the request's costs. CPU ranks that all run on this host share its cores (the planner times that);
+    spread over hosts, each is credited its share of its host's cores."""
+    layers = module.pipeline_layers()
+    measured = calibration.measure(layers, sample, device=place.device, group=group, precision=request.precision)
+    assumed = request.costs
     topology = place.topology
     share = 1.0
     if place.device.type == "cpu":
@@ -264,6 +271,9 @@ def _make_plan(
     topology = place.topology
     options = replace(request.options, backend=place.backend)
     costs = costs or request.costs
+    if costs.device_memory_gb is None:  # a bound by default: what this rank's device (or share of the host) holds
+        host_ranks = host_position(os.environ, place.local_rank, place.local_processes)[1]
+        costs = replace(costs, device_memory_gb=training_memory_gb(place.device, host_ranks))
     if missing_contract(module):  # pp=1: one FSDP group over every rank
         batch = BatchSettings((request.batch or BatchSettings(topology.world_size)).global_batch)
         whole = replace(options, layout=LayoutKind.flat_fsdp, pp=None, dp=None, partition=PartitionRule.auto)

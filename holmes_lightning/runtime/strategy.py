@@ -84,29 +84,22 @@ class HolmesStrategy(ModelParallelStrategy):
     Arguments:
         cluster: a shipped config name, a YAML path, a dict, a ClusterSpec or a Topology; None: the launched nodes,
             NIC kinds detected.
-        global_batch: samples per optimizer step over all DP replicas; the train DataLoader then gives
-            `replica_batch_size` samples per step. microbatches: per step and replica; None lets the planner choose.
-        options: every plan setting (`holmes_lightning.planner.PlanOptions`: degrees, schedule, partition, layout,
-            sharding, `memory_limit_gb`); the same object train.py and the plan CLI take.
-        schedule, partition, pp, dp, sharding, layout, activation_checkpointing: shorthands that override the same
-            fields of `options` (activation_checkpointing: "off", "full", "selective" or "auto", the default: full
-            only where no plan fits `memory_limit_gb` without it).
-            layout="nic_unaware" is Megatron's rank order with IB and RoCE on TCP. sharding: "fsdp" (FSDP2 inside
-            each stage), "none" (full replicas, gradients all-reduced) or "auto" (the planner's pick for this
-            backend: FSDP unless replicas are faster, as on gloo, whose reduce-scatter costs a whole all-reduce).
-            A given plan= brings its own.
+        global_batch: samples per optimizer step over all DP replicas (each replica's DataLoader gives
+            `replica_batch_size`); microbatches: per step and replica, None lets the planner choose.
+        options: what to plan (`holmes_lightning.planner.PlanOptions`, as train.py and the plan CLI take it);
+            schedule, partition, pp, dp, sharding, layout, activation_checkpointing override its fields (sharding
+            "auto": FSDP2 unless replicas are faster; activation_checkpointing "auto": full only where no plan fits
+            the memory bound without it; layout "nic_unaware": Megatron's rank order).
         plan: a Plan (or its JSON file) to run instead of planning.
-        profile: the model's cost profile; default: `pipeline_layers()` measured on `example_input_array`, or
-            without it on one sample of the running entry point's DataLoader (meta layers: on meta tensors).
-        calibrate: before planning, measure this machine on the model (`holmes_lightning.measure.calibration`: the
-            device's speed on its layers, the fixed cost per layer, FSDP2's hooks, the optimizer step, a message
-            between two ranks and a step's closing collectives; each distinct layer for 1.5 s,
-            `$HOLMES_CALIBRATION_SECONDS`), cached per machine and model shape, so the plan and its printed
-            prediction are this machine's; `strategy.calibration` keeps what was measured. Not with plan= or without
-            `pipeline_layers()`.
-        costs: what the machine costs (`holmes_lightning.planner.MachineCosts`) where it is not calibrated: all of
-            it with calibrate=False (default: the cluster config's TFLOPS x `efficiency` 0.5, nothing else charged),
-            else what calibration does not measure, such as `dp_overlap`.
+        profile: the model's cost profile; default: `pipeline_layers()` measured on `example_input_array`, else on one
+            sample of the running entry point's DataLoader (meta layers: on meta tensors).
+        calibrate: before planning, measure this machine on the model in the Trainer's precision
+            (`holmes_lightning.measure.calibration`, each distinct layer 1.5 s, `$HOLMES_CALIBRATION_SECONDS`; cached
+            per machine, model shape and precision); `strategy.calibration` keeps what was measured.
+        costs: what the machine costs (`holmes_lightning.planner.MachineCosts`) where not calibrated: all of it with
+            calibrate=False (default: the cluster config's TFLOPS x efficiency 0.5), else what calibration does not
+            measure, such as `dp_overlap`. Every plan also fits the device's memory for training (its memory less a
+            reserve; on CPU the host's available memory per rank), measured at start unless given.
         timeout: seconds (or a timedelta) a collective may wait before the job fails.
     """
 
@@ -288,7 +281,15 @@ class HolmesStrategy(ModelParallelStrategy):
         """The plan (made once per strategy, so fit and a later validate share it), its process groups and mesh."""
         if self.plan_mesh is None:
             assert self.topology is not None and isinstance(self.cluster_environment, NICGroupingEnvironment)
-            request = PlanRequest(self.options, self.batch, self.costs, self.calibrate, self.plan, self.profile)
+            request = PlanRequest(
+                options=self.options,
+                batch=self.batch,
+                costs=self.costs,
+                calibrate=self.calibrate,
+                plan=self.plan,
+                profile=self.profile,
+                precision=self.precision_plugin.precision,
+            )
             place = JobPlace(
                 topology=self.topology,
                 device=self.root_device,
