@@ -15,7 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from holmes_lightning.cli.config import ConfigError, DataConfig, ModelConfig, TrainerConfig, register_configs
 from holmes_lightning.recipes import GPT, ByteCorpusDataModule, stdlib_corpus, throughput_monitor
-from holmes_lightning.recipes.data import ByteWindows, stdlib_sources
+from holmes_lightning.recipes.data import TokenWindows, stdlib_sources
 from holmes_lightning.topology import config_dir
 
 register_configs()
@@ -93,7 +93,7 @@ def test_corpus_larger_than_stdlib_is_a_clear_error():
 
 def test_byte_windows_shift_targets_by_one():
     data = torch.arange(50, dtype=torch.uint8)
-    windows = ByteWindows(data, seq_len=8)
+    windows = TokenWindows(data, seq_len=8)
     assert len(windows) == 6
     inputs, targets = windows[2]
     assert inputs.dtype == torch.long
