@@ -211,6 +211,8 @@ def empty_dir(tmp_path: Path) -> Path:
         (["data._target_=holmes_lightning.recipes.GPT"], "GPT'> is not a LightningDataModule subclass"),
         (["data.text_file={tmp}/nope.txt"], "data.text_file={tmp}/nope.txt: no such file"),
         (["data.dataset_dir={tmp}/nope"], "data.dataset_dir={tmp}/nope: no such directory"),
+        (["model=hf_llama", "+model.width=3"], "+model.width: keys added to model are the arguments of your own"),
+        (["model=hf_llama", "data.batch_format=pairs"], "data.batch_format=pairs: HF models take dict batches"),
     ],
     ids=[
         "no pretrained directory",
@@ -227,6 +229,8 @@ def empty_dir(tmp_path: Path) -> Path:
         "data target kind",
         "text file",
         "dataset directory",
+        "added key to an HF model",
+        "pairs for an HF model",
     ],
 )
 def test_train_py_refuses_bad_models_and_data_before_any_rank_starts(

@@ -47,6 +47,8 @@ def check_data(config: TrainConfig, arguments: Mapping[str, Any]) -> int | None:
     check_target("data", data._target_, L.LightningDataModule, arguments)
     if data._target_ is not None:
         return None
+    if isinstance(config.model, HFModelConfig) and data.batch_format is BatchFormat.pairs:
+        raise ConfigError("data.batch_format=pairs: HF models take dict batches; leave it null (dicts)")
     if data.text_file is not None and not Path(data.text_file).is_file():
         raise ConfigError(f"data.text_file={data.text_file}: no such file; give a local text file")
     if data.dataset_dir is not None:

@@ -33,10 +33,11 @@ def check_model(config: TrainConfig, arguments: Mapping[str, Any], data_vocab: i
     starts is: your class imports and takes its arguments; an HF model builds, fits `model.seq_len` and has a
     vocabulary of at least `data_vocab` (what the data's tokens need; None: unknown)."""
     model = config.model
+    target = None if isinstance(model, HFModelConfig) else model._target_
+    check_target("model", target, L.LightningModule, arguments)
     if isinstance(model, HFModelConfig):
         return _check_hf(model, data_vocab)
-    check_target("model", model._target_, L.LightningModule, arguments)
-    return None if model._target_ is not None else ModelProfile.from_gpt(model)
+    return None if target is not None else ModelProfile.from_gpt(model)
 
 
 def build_model(config: TrainConfig, arguments: Mapping[str, Any]) -> L.LightningModule:
