@@ -129,8 +129,8 @@ def test_the_built_in_data_yields_pairs_for_the_gpt_and_dicts_for_hf_models():
     assert torch.equal(batch["input_ids"], inputs) and torch.equal(batch["labels"], inputs)  # HF's loss shifts them
     assert torch.equal(batch["attention_mask"], torch.ones(4, 128, dtype=torch.long))
     assert torch.equal(inputs[:, 1:], targets[:, :-1])
-    forced, _ = composed("data.batch_format=dicts")
-    assert forced.data.batch_format is BatchFormat.dicts and build_data(forced, {}).dict_batches
+    yours, _ = composed("model._target_=my_package.MyModule", "data.batch_format=dicts")
+    assert yours.data.batch_format is BatchFormat.dicts and build_data(yours, {}).dict_batches
 
 
 def test_a_text_file_is_its_bytes_or_its_tokenizers_ids(tmp_path):
@@ -212,7 +212,8 @@ def empty_dir(tmp_path: Path) -> Path:
         (["data.text_file={tmp}/nope.txt"], "data.text_file={tmp}/nope.txt: no such file"),
         (["data.dataset_dir={tmp}/nope"], "data.dataset_dir={tmp}/nope: no such directory"),
         (["model=hf_llama", "+model.width=3"], "+model.width: keys added to model are the arguments of your own"),
-        (["model=hf_llama", "data.batch_format=pairs"], "data.batch_format=pairs: HF models take dict batches"),
+        (["model=hf_llama", "data.batch_format=pairs"], "data.batch_format=pairs: model=hf_llama takes dicts; leave"),
+        (["data.batch_format=dicts"], "data.batch_format=dicts: model=gpt_tiny takes pairs; leave it null"),
     ],
     ids=[
         "no pretrained directory",
@@ -231,6 +232,7 @@ def empty_dir(tmp_path: Path) -> Path:
         "dataset directory",
         "added key to an HF model",
         "pairs for an HF model",
+        "dicts for the GPT",
     ],
 )
 def test_train_py_refuses_bad_models_and_data_before_any_rank_starts(

@@ -98,8 +98,8 @@ class DataConfig:
     Python standard library's sources as bytes; else a local text file (`text_file`) or a `datasets` dataset saved
     on disk (`dataset_dir`, its `column` of token ids or text; null: `input_ids`, else `text`), tokenised by the
     pretrained model's tokenizer or as bytes; or your LightningDataModule (`_target_`, built from the keys you add:
-    `+data.some_arg=3`). Every built-in source splits into train and val and yields pairs for the GPT and dicts for HF
-    models (`batch_format` to choose).
+    `+data.some_arg=3`). Every built-in source splits into train and val and yields pairs for the GPT, dicts for HF
+    models and, for your own module, pairs unless `batch_format=dicts`.
     """
 
     global_batch: int = 16

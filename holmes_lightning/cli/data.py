@@ -3,8 +3,8 @@
 (`data._target_`).
 
 Text is tokenised by the pretrained HF model's tokenizer when its directory holds one, else taken as bytes. Built-in
-data yields `(inputs, targets)` for the GPT and your module, HF's dicts for HF models (`data.batch_format` to choose);
-each DP replica gets its share of `data.global_batch` (what `trainer.strategy.replica_batch_size` says).
+data yields `(inputs, targets)` for the GPT, HF's dicts for HF models, and either for your module (`data.batch_format`,
+pairs by default); each DP replica gets its share of `data.global_batch` (`trainer.strategy.replica_batch_size`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import lightning as L
 
-from holmes_lightning.cli.config import BatchFormat, ConfigError, HFModelConfig, TrainConfig
+from holmes_lightning.cli.config import BatchFormat, ConfigError, HFModelConfig, ModelConfig, TrainConfig
 from holmes_lightning.cli.targets import build_target, check_target
 from holmes_lightning.recipes.data import StdlibBytes, TokenDataModule, TokenSource
 from holmes_lightning.recipes.text import (
@@ -47,8 +47,11 @@ def check_data(config: TrainConfig, arguments: Mapping[str, Any]) -> int | None:
     check_target("data", data._target_, L.LightningDataModule, arguments)
     if data._target_ is not None:
         return None
-    if isinstance(config.model, HFModelConfig) and data.batch_format is BatchFormat.pairs:
-        raise ConfigError("data.batch_format=pairs: HF models take dict batches; leave it null (dicts)")
+    model = config.model
+    takes = BatchFormat.dicts if isinstance(model, HFModelConfig) else BatchFormat.pairs
+    yours = isinstance(model, ModelConfig) and model._target_ is not None
+    if not yours and data.batch_format not in (None, takes):
+        raise ConfigError(f"data.batch_format={data.batch_format}: model={model.name} takes {takes}; leave it null")
     if data.text_file is not None and not Path(data.text_file).is_file():
         raise ConfigError(f"data.text_file={data.text_file}: no such file; give a local text file")
     if data.dataset_dir is not None:
