@@ -1,4 +1,5 @@
-"""Main job: `python train.py cluster=two_cluster_mixed` trains the GPT recipe on one process per rank of the cluster.
+"""Main job: `python train.py cluster=two_cluster_mixed` trains the GPT recipe on one process per rank of the cluster;
+`model=hf_llama` an HF causal LM, `model._target_=...` / `data._target_=...` your own LightningModule / DataModule.
 
 Run plainly, it checks the config, then starts the cluster's ranks on this machine (or in the lab's emulated network
 with `lab.mode=emulate`), each rerunning this script. Started by a launcher (ours, torchrun, SLURM), it is one rank
@@ -13,7 +14,6 @@ from dataclasses import asdict
 
 import hydra
 import lightning as L
-import torch
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
@@ -23,11 +23,14 @@ from omegaconf.errors import OmegaConfBaseException
 
 from holmes_lightning.cli import validate
 from holmes_lightning.cli.config import ConfigError, TrainConfig, error_line, register_configs
+from holmes_lightning.cli.data import build_data, check_data
 from holmes_lightning.cli.launch import start_ranks
+from holmes_lightning.cli.models import build_model, check_model, flops_per_sample
+from holmes_lightning.cli.targets import added_keys
 from holmes_lightning.launch import job
 from holmes_lightning.launch.processes import LAUNCHED_ENV
-from holmes_lightning.planner import PlanError
-from holmes_lightning.recipes import GPT, ByteCorpusDataModule, RunSummary, throughput_monitor
+from holmes_lightning.planner import ModelProfile, PlanError
+from holmes_lightning.recipes import RunSummary, throughput_monitor
 from holmes_lightning.runtime import HolmesStrategy
 from holmes_lightning.runtime.checkpoint import CheckpointError
 from holmes_lightning.runtime.contract import ContractError
@@ -49,11 +52,17 @@ def main(cfg: DictConfig) -> None:
         os.environ.pop("HYDRA_FULL_ERROR", None)
     try:  # every check that needs no other process, so a bad value stops the job before any rank starts
         config: TrainConfig = OmegaConf.to_object(cfg)
+        arguments = {node: added_keys(cfg[node]) for node in ("model", "data")}  # of a model/data `_target_`
         topology = Topology.from_config(config.cluster)
         check_choices(config)
+        profile = check_model(config, arguments["model"], data_vocab=check_data(config, arguments["data"]))
         timeout_s = job.collective_timeout_s(config.strategy.timeout_s, os.environ)
         strategy = make_strategy(config, topology, timeout_s)
-        plan = validate.check_plan(config, topology, strategy.batch, options=strategy.options, costs=strategy.costs)
+        plan = None
+        if profile is not None:  # your own module's profile is known once the ranks build it: they check its plan
+            plan = validate.check_plan(
+                config, topology, strategy.batch, profile, options=strategy.options, costs=strategy.costs
+            )
         # the launcher reads every file once; ranks leave the digests to the load, where each reads its share
         config.resume = validate.resume_path(config, plan, checksums=not is_rank_process())
         if is_rank_process():
@@ -62,10 +71,12 @@ def main(cfg: DictConfig) -> None:
         exit_with_error(err)
     run_dir = HydraConfig.get().runtime.output_dir
     if not is_rank_process():
+        if plan is None:
+            print(f"train.py: {config.model._target_} is profiled and planned once the ranks have built it", flush=True)
         sys.exit(start_job(config, topology, run_dir))
     warn_once_about_timeout(config, topology, timeout_s)
     try:
-        train(config, topology, strategy, run_dir)
+        train(config, arguments, topology, strategy, run_dir, profile)
     except KNOWN_ERRORS as err:  # found once processes joined: raised alike on every rank that sees it
         exit_with_error(err, f"rank {default_environment().global_rank()}: ")
 
@@ -123,30 +134,20 @@ def warn_once_about_timeout(config: TrainConfig, topology: Topology, timeout_s: 
         print(f"warning: {warning}", file=sys.stderr, flush=True)
 
 
-def train(config: TrainConfig, topology: Topology, strategy: HolmesStrategy, run_dir: str) -> None:
-    """This rank's part of the job: the GPT recipe under HolmesStrategy, then a one-line summary on rank 0."""
+def train(
+    config: TrainConfig,
+    arguments: dict[str, dict],
+    topology: Topology,
+    strategy: HolmesStrategy,
+    run_dir: str,
+    profile: ModelProfile | None,
+) -> None:
+    """This rank's part of the job: the configured model and data under HolmesStrategy, then a one-line summary on
+    rank 0. `arguments`: those of a model or data `_target_`; `profile`: the model's, if known before the ranks."""
     L.seed_everything(config.seed, workers=True)
-    shape, opt = config.model, config.trainer
-    with torch.device("meta"):  # no storage yet: each rank allocates and initialises only its stage's layers
-        model = GPT(
-            n_layers=shape.n_layers,
-            d_model=shape.d_model,
-            n_heads=shape.n_heads,
-            seq_len=shape.seq_len,
-            vocab_size=shape.vocab_size,
-            dropout=shape.dropout,
-            learning_rate=opt.learning_rate,
-            warmup_steps=opt.warmup_steps,
-            weight_decay=opt.weight_decay,
-        )
-    data = ByteCorpusDataModule(
-        seq_len=shape.seq_len,
-        global_batch=config.data.global_batch,
-        corpus_bytes=config.data.corpus_bytes,
-        val_fraction=config.data.val_fraction,
-        num_workers=config.data.num_workers,
-        seed=config.seed,
-    )
+    opt = config.trainer
+    model = build_model(config, arguments["model"])
+    data = build_data(config, arguments["data"])
     window = max(2, min(20, opt.max_steps // 2))
     rank = default_environment().global_rank()
     saves = HolmesCheckpoint(
@@ -169,7 +170,14 @@ def train(config: TrainConfig, topology: Topology, strategy: HolmesStrategy, run
         limit_val_batches=opt.limit_val_batches,
         logger=make_logger(config, run_dir),
         callbacks=[
-            throughput_monitor(model, config.data.global_batch, topology.world_size, window, lambda: saves.saving_s),
+            throughput_monitor(
+                model,
+                config.data.global_batch,
+                topology.world_size,
+                window,
+                lambda: saves.saving_s,
+                flops_per_sample=flops_per_sample(model, profile),
+            ),
             saves,
             RunSummary(),
         ],

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -31,3 +34,12 @@ def calibration_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None
         patch.setenv("HOLMES_CALIBRATION_DIR", str(tmp_path_factory.mktemp("calibration")))
         patch.setenv("HOLMES_CALIBRATION_SECONDS", "0")
         yield
+
+
+@pytest.fixture(scope="module")
+def train_module() -> ModuleType:
+    """train.py imported, so its `cli()` runs in this process: each case costs milliseconds, not a Python start."""
+    spec = importlib.util.spec_from_file_location("train", Path(__file__).resolve().parents[1] / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

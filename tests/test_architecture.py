@@ -62,7 +62,7 @@ def test_topology_and_planner_import_neither_the_runtime_nor_torch() -> None:
 
 
 # Packages from the ground up: each imports only packages below it (the root package's lazy names stand apart).
-LAYERS = ("topology", "planner", "launch", "measure", "runtime", "recipes", "lab", "cli", "bench")
+LAYERS = ("topology", "planner", "launch", "measure", "runtime", "hf", "recipes", "lab", "cli", "bench")
 
 
 def _package(module: str) -> str:
@@ -82,8 +82,9 @@ def _upward(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_each_package_imports_only_the_packages_below_it() -> None:
-    """topology -> planner -> starting ranks -> measuring -> runtime -> recipes -> the lab -> the command-line tools
-    -> the bench: the lab and the bench (tooling) are never imported by the runtime or the launcher."""
+    """topology -> planner -> starting ranks -> measuring -> runtime -> Hugging Face models -> recipes -> the lab -> the
+    command-line tools -> the bench: the lab and the bench (tooling) are never imported by the runtime or the
+    launcher."""
     assert _upward(_imports()) == []
 
 

@@ -6,7 +6,6 @@ either work or raise their own error, never anything else), and a few malformed 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -117,15 +116,6 @@ def assert_clean_error(code: int | str | None, stdout: str, stderr: str, message
     before, _, error = stderr.partition("error: ")
     assert message in error and "error: " not in error and not before.strip(), stderr[-3000:]
     assert "Traceback" not in stderr and "starting" not in stdout
-
-
-@pytest.fixture(scope="module")
-def train_module() -> ModuleType:
-    """train.py imported, so its `cli()` runs in this process: each case costs milliseconds, not a Python start."""
-    spec = importlib.util.spec_from_file_location("train", ROOT / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def run_cli(train_module: ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, *args: str):

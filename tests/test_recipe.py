@@ -15,7 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from holmes_lightning.cli.config import ConfigError, DataConfig, ModelConfig, TrainerConfig, register_configs
 from holmes_lightning.recipes import GPT, ByteCorpusDataModule, stdlib_corpus, throughput_monitor
-from holmes_lightning.recipes.data import ByteWindows, stdlib_sources
+from holmes_lightning.recipes.data import TokenWindows, stdlib_sources
 from holmes_lightning.topology import config_dir
 
 register_configs()
@@ -93,7 +93,7 @@ def test_corpus_larger_than_stdlib_is_a_clear_error():
 
 def test_byte_windows_shift_targets_by_one():
     data = torch.arange(50, dtype=torch.uint8)
-    windows = ByteWindows(data, seq_len=8)
+    windows = TokenWindows(data, seq_len=8)
     assert len(windows) == 6
     inputs, targets = windows[2]
     assert inputs.dtype == torch.long
@@ -182,10 +182,12 @@ class StepClock(L.Callback):
 def test_the_throughput_monitor_leaves_out_paused_seconds_as_it_leaves_out_validation(monkeypatch):
     model, clock = tiny_gpt(), StepClock(pause_after=3, pause_s=7.0)
     monkeypatch.setattr(throughput_module, "time", SimpleNamespace(perf_counter=clock))  # its clock alone
-    counted = throughput_monitor(model, 8, 1, window=4)
+    counted = throughput_monitor(model, 8, 1, window=4, flops_per_sample=model.flops_per_token * 16)
     paused = throughput_monitor(model, 8, 1, window=4, paused_s=lambda: clock.saving_s)
     trainer = quiet_trainer(max_steps=6, limit_val_batches=0, callbacks=[counted, paused, clock])
     trainer.fit(model, ByteCorpusDataModule(seq_len=16, global_batch=8, corpus_bytes=50_000))
     counted_s, paused_s = (monitor._throughputs[RunningStage.TRAINING]._time for monitor in (counted, paused))
+    assert counted._throughputs[RunningStage.TRAINING]._lengths == [8 * 16 * step for step in range(3, 7)]  # tokens
+    assert model.flops_per_batch == model.flops_per_token * 16 * 8
     assert paused_s == [3.0, 4.0, 5.0, 6.0]  # the window's last four steps, one second each: the save left out
     assert counted_s == [3.0, 11.0, 12.0, 13.0]  # the save's 7 s counted from the step after it

@@ -6,6 +6,7 @@ import re
 from dataclasses import MISSING, asdict, dataclass, field, fields, make_dataclass
 from typing import Any, get_type_hints
 
+import omegaconf
 from hydra.core.config_store import ConfigStore
 from hydra.errors import ConfigCompositionException, OverrideParseException
 
@@ -38,7 +39,11 @@ def _require(ok: bool, field_name: str, value: object, fix: str) -> None:
 
 @dataclass
 class ModelConfig:
-    """A GPT shape (byte-level vocabulary by default, so nothing is downloaded)."""
+    """A GPT shape (byte-level vocabulary by default, so nothing is downloaded).
+
+    `_target_`: your LightningModule instead (`my_package.MyModule`), built by `hydra.utils.instantiate` from the keys
+    you add (`+model.some_arg=3`); of the GPT fields only `seq_len` is then used, by the built-in data.
+    """
 
     name: str = "gpt_tiny"
     n_layers: int = 4
@@ -47,6 +52,7 @@ class ModelConfig:
     seq_len: int = 128
     vocab_size: int = 256
     dropout: float = 0.0
+    _target_: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "d_model", "n_heads", "seq_len"):
@@ -62,19 +68,62 @@ class ModelConfig:
 
 
 @dataclass
+class HFModelConfig:
+    """A transformers causal LM trained as `HFCausalLM`: random weights from `config` (an HF config written out,
+    `model_type` and its fields), or the local HF directory `pretrained` (its config.json and safetensors weights;
+    `config` is then not used). `seq_len`: tokens per training sequence."""
+
+    name: str = "hf"
+    config: dict[str, Any] = field(default_factory=dict)
+    pretrained: str | None = None
+    seq_len: int = 128
+
+    def __post_init__(self) -> None:
+        _require(self.seq_len > 0, "model.seq_len", self.seq_len, "must be > 0")
+        fix = "write an HF config (model_type: llama, hidden_size: ..., ...) or give model.pretrained=DIR"
+        _require(self.pretrained is not None or "model_type" in self.config, "model.config", self.config, fix)
+
+
+class BatchFormat(ConfigEnum):
+    """How the built-in data hands out a batch: `(inputs, targets)` tensors, or HF's dicts (input_ids, labels,
+    attention_mask)."""
+
+    pairs = "pairs"
+    dicts = "dicts"
+
+
+@dataclass
 class DataConfig:
-    """The byte-level corpus: a fixed slice of the Python standard library's sources, split into train and val."""
+    """What the job trains on, `global_batch` sequences per step over all replicas: by default a fixed slice of the
+    Python standard library's sources as bytes; else a local text file (`text_file`) or a `datasets` dataset saved
+    on disk (`dataset_dir`, its `column` of token ids or text; null: `input_ids`, else `text`), tokenised by the
+    pretrained model's tokenizer or as bytes; or your LightningDataModule (`_target_`, built from the keys you add:
+    `+data.some_arg=3`). Every built-in source splits into train and val and yields pairs for the GPT, dicts for HF
+    models and, for your own module, pairs unless `batch_format=dicts`.
+    """
 
     global_batch: int = 16
     num_workers: int = 0
     val_fraction: float = 0.05
     corpus_bytes: int = 2_000_000
+    text_file: str | None = None
+    dataset_dir: str | None = None
+    column: str | None = None
+    batch_format: BatchFormat | None = None
+    _target_: str | None = None
 
     def __post_init__(self) -> None:
         _require(self.global_batch > 0, "data.global_batch", self.global_batch, "must be > 0 (sequences per step)")
         _require(self.num_workers >= 0, "data.num_workers", self.num_workers, "must be >= 0")
         _require(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "must be in (0, 1), e.g. 0.05")
         _require(self.corpus_bytes > 0, "data.corpus_bytes", self.corpus_bytes, "must be > 0, e.g. 2000000")
+        sources = {"text_file": self.text_file, "dataset_dir": self.dataset_dir, "_target_": self._target_}
+        given = [f"data.{key}={value}" for key, value in sources.items() if value is not None]
+        if len(given) > 1:
+            raise ConfigError(f"{' and '.join(given)}: give one source of data, not several")
+        fix = "name a column of data.dataset_dir, or leave it null"
+        _require(self.column is None or self.dataset_dir is not None, "data.column", self.column, fix)
+        self.batch_format = None if self.batch_format is None else BatchFormat(self.batch_format)
 
 
 def _editable(frozen: type) -> type:
@@ -204,7 +253,7 @@ class LabConfig:
 @dataclass
 class TrainConfig:
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: Any = omegaconf.MISSING  # ModelConfig or HFModelConfig: the `model` group's choice brings its schema
     data: DataConfig = field(default_factory=DataConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -249,6 +298,7 @@ def register_configs() -> None:
     store.store(name="base_config", node=TrainConfig)
     store.store(group="cluster", name="base_cluster", node=ClusterSpec)
     store.store(group="model", name="base_model", node=ModelConfig)
+    store.store(group="model", name="base_hf_model", node=HFModelConfig)
     store.store(group="strategy", name="base_strategy", node=StrategyConfig)
     store.store(group="trainer", name="base_trainer", node=TrainerConfig)
     store.store(group="lab", name="base_lab", node=LabConfig)

@@ -1,4 +1,4 @@
-"""Throughput and an end-of-run summary for the GPT recipe, on top of Lightning's ThroughputMonitor."""
+"""Throughput and an end-of-run summary for train.py's jobs, on top of Lightning's ThroughputMonitor."""
 
 from __future__ import annotations
 
@@ -9,25 +9,33 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback, ThroughputMonitor
 from lightning.pytorch.trainer.states import RunningStage
 
-from holmes_lightning.recipes.gpt import GPT
+from holmes_lightning.runtime.contract import split_batch
 
 
 def throughput_monitor(
-    model: GPT, global_batch: int, world_size: int, window: int, paused_s: Callable[[], float] = lambda: 0.0
+    model: L.LightningModule,
+    global_batch: int,
+    world_size: int,
+    window: int,
+    paused_s: Callable[[], float] = lambda: 0.0,
+    *,
+    flops_per_sample: float | None = None,
 ) -> ThroughputMonitor:
     """Lightning's ThroughputMonitor for a fixed global batch, whatever the pipeline x data-parallel layout.
 
-    Each device is credited with an equal share of the step's sequences, tokens and model FLOPs (the monitor sums
-    the shares over `world_size`), so pipeline stages that see the same micro-batches are not counted twice.
-    `paused_s`: seconds spent so far outside training steps that the monitor must leave out, as it leaves out
-    validation (`HolmesCheckpoint.saving_s`: checkpoint saves).
+    Each device is credited with an equal share of the step's sequences, tokens (a sequence's: its first input's
+    elements, as the profile counts them) and model FLOPs (`flops_per_sample`: training FLOPs of one sequence; None
+    leaves `model.flops_per_batch` as the model has it), the monitor summing the shares over `world_size`, so pipeline
+    stages that see the same micro-batches are not counted twice. `paused_s`: seconds spent so far outside training
+    steps that the monitor must leave out, as it leaves out validation (`HolmesCheckpoint.saving_s`: checkpoint saves).
     """
     share = global_batch / world_size
-    model.flops_per_batch = model.flops_per_token * model.hparams.seq_len * share
+    if flops_per_sample is not None:
+        model.flops_per_batch = flops_per_sample * share
     return PausableThroughputMonitor(
         paused_s,
         batch_size_fn=lambda _batch: share,
-        length_fn=lambda _batch: share * model.hparams.seq_len,
+        length_fn=lambda batch: share * split_batch(batch)[0][0][0].numel(),
         window_size=window,
     )
 
@@ -50,7 +58,7 @@ class PausableThroughputMonitor(ThroughputMonitor):
 
 class RunSummary(Callback):
     """Rank 0 prints the training loss (first -> last step), tokens/s next to the plan's prediction, model TFLOPS and
-    MFU when training ends.
+    MFU (where the model's FLOPs are known) when training ends.
 
     Throughput leaves out validation and checkpoint saves (`throughput_monitor`); their seconds follow it.
     MFU is against the calibrated peak: what one rank of this machine computes on this model's layers at full batch
@@ -73,7 +81,7 @@ class RunSummary(Callback):
         flops_per_s = metrics.get("train/device/flops_per_sec")
         world = trainer.world_size
         line = f"holmes: {len(self.losses)} steps, train loss {self.losses[0]:.3f} -> {self.losses[-1]:.3f}"
-        if tokens_per_s is None or flops_per_s is None:
+        if tokens_per_s is None:
             print(f"{line} | throughput: too few logged steps for the monitor's window (raise trainer.max_steps)")
             return
         measured = float(tokens_per_s) * world
@@ -83,14 +91,15 @@ class RunSummary(Callback):
             predicted = plan.prediction.tokens_per_s
             line += f" (predicted {predicted:,.0f}: measured / predicted {measured / predicted:.2f})"
         line += " without validation and checkpoint saves"
-        per_device = float(flops_per_s)
-        line += f" | model {per_device * world / 1e12:.4f} TFLOPS ({per_device / 1e12:.4f} per device x {world})"
-        calibrated = getattr(trainer.strategy, "calibration", None)
-        if calibrated is not None:
-            line += (
-                f" | MFU {per_device / (calibrated.device_tflops * 1e12):.0%} of the calibrated peak "
-                f"({calibrated.device_tflops:.3g} TFLOPS per rank, measured at start)"
-            )
+        if flops_per_s is not None:
+            per_device = float(flops_per_s)
+            line += f" | model {per_device * world / 1e12:.4f} TFLOPS ({per_device / 1e12:.4f} per device x {world})"
+            calibrated = getattr(trainer.strategy, "calibration", None)
+            if calibrated is not None:
+                line += (
+                    f" | MFU {per_device / (calibrated.device_tflops * 1e12):.0%} of the calibrated peak "
+                    f"({calibrated.device_tflops:.3g} TFLOPS per rank, measured at start)"
+                )
         saving_s = sum(getattr(callback, "saving_s", 0.0) for callback in trainer.checkpoint_callbacks)
         if saving_s:
             line += f" | checkpoint saves {saving_s:.1f} s in all"

@@ -1,11 +1,14 @@
-"""Byte-level language-model data from text every machine has: the Python standard library's own source files."""
+"""Language-model data as windows of one token stream; by default bytes of text every machine has: the Python
+standard library's own source files."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar, Protocol
 
 import lightning as L
 import torch
@@ -36,62 +39,95 @@ def stdlib_corpus(num_bytes: int) -> bytes:
     raise ValueError(f"data.corpus_bytes={num_bytes}: the standard library has only {size} bytes; lower it")
 
 
-class ByteWindows(Dataset):
-    """Non-overlapping windows of `seq_len` bytes; item i is (inputs, targets) with targets shifted by one byte."""
+class TokenSource(Protocol):
+    """Where a token stream comes from: `tokens()` reads it whole (1-D integers, uint8 for bytes); `mismatch` says
+    what to fix when a rank reads other tokens than rank 0."""
 
-    def __init__(self, data: torch.Tensor, seq_len: int) -> None:
+    mismatch: str
+
+    def tokens(self) -> torch.Tensor: ...
+
+
+def byte_tokens(data: bytes) -> torch.Tensor:
+    """Bytes as a token stream (a vocabulary of 256)."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+@dataclass(frozen=True)
+class StdlibBytes:
+    """The first `corpus_bytes` of the standard library's sources, as bytes."""
+
+    corpus_bytes: int
+    mismatch: ClassVar[str] = (
+        "its standard-library corpus differs from rank 0's (another Python version?); run every node with the same "
+        "Python"
+    )
+
+    def tokens(self) -> torch.Tensor:
+        return byte_tokens(stdlib_corpus(self.corpus_bytes))
+
+
+class TokenWindows(Dataset):
+    """Non-overlapping windows of `seq_len` tokens: item i is (inputs, targets) with targets shifted by one token,
+    or with `dicts` HF's batch dict (`input_ids` and `labels` the same tokens, HF's loss shifts them;
+    `attention_mask`)."""
+
+    def __init__(self, data: torch.Tensor, seq_len: int, dicts: bool = False) -> None:
         self.data = data
         self.seq_len = seq_len
+        self.dicts = dicts
 
     def __len__(self) -> int:
         return (len(self.data) - 1) // self.seq_len
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | dict[str, torch.Tensor]:
         start = index * self.seq_len
         window = self.data[start : start + self.seq_len + 1].long()
+        if self.dicts:
+            ids = window[:-1]
+            return {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
         return window[:-1], window[1:]
 
 
-class ByteCorpusDataModule(L.LightningDataModule):
-    """Train/val split of a fixed slice of the stdlib corpus; `global_batch` sequences per step over all replicas."""
+class TokenDataModule(L.LightningDataModule):
+    """Train/val split of one token stream into windows of `seq_len`; `global_batch` sequences per step over all
+    replicas, as (inputs, targets) or, with `dict_batches`, HF's dicts."""
 
     def __init__(
         self,
+        source: TokenSource,
         seq_len: int,
         global_batch: int,
-        corpus_bytes: int = 2_000_000,
         val_fraction: float = 0.05,
         num_workers: int = 0,
         seed: int = 1234,
+        dict_batches: bool = False,
     ) -> None:
         super().__init__()
+        self.source = source
         self.seq_len = seq_len
         self.global_batch = global_batch
-        self.corpus_bytes = corpus_bytes
         self.val_fraction = val_fraction
         self.num_workers = num_workers
         self.seed = seed
-        self.train_set: ByteWindows | None = None
-        self.val_set: ByteWindows | None = None
+        self.dict_batches = dict_batches
+        self.train_set: TokenWindows | None = None
+        self.val_set: TokenWindows | None = None
 
     def setup(self, stage: str) -> None:
-        corpus = stdlib_corpus(self.corpus_bytes)
-        self._check_same_corpus_everywhere(corpus)
-        data = torch.frombuffer(bytearray(corpus), dtype=torch.uint8)
+        data = self.source.tokens()
+        self._check_same_tokens_everywhere(data)
         split = int(len(data) * (1 - self.val_fraction))
-        self.train_set = ByteWindows(data[:split], self.seq_len)
-        self.val_set = ByteWindows(data[split:], self.seq_len)
+        self.train_set = TokenWindows(data[:split], self.seq_len, self.dict_batches)
+        self.val_set = TokenWindows(data[split:], self.seq_len, self.dict_batches)
 
-    def _check_same_corpus_everywhere(self, corpus: bytes) -> None:
-        """Nodes with different Python versions would read different text: refuse rather than train on a mix."""
+    def _check_same_tokens_everywhere(self, data: torch.Tensor) -> None:
+        """Nodes that read different data (another file, another Python's corpus) would train on a mix: refuse."""
         if self.trainer is None or self.trainer.world_size == 1:
             return
-        digest = hashlib.sha256(corpus).hexdigest()
+        digest = hashlib.sha256(data.numpy().tobytes()).hexdigest()
         if self.trainer.strategy.broadcast(digest, src=0) != digest:
-            raise RuntimeError(
-                f"rank {self.trainer.global_rank}: its standard-library corpus differs from rank 0's (another Python "
-                f"version?); run every node with the same Python"
-            )
+            raise RuntimeError(f"rank {self.trainer.global_rank}: {self.source.mismatch}")
 
     @property
     def replicas(self) -> int:
@@ -111,6 +147,11 @@ class ByteCorpusDataModule(L.LightningDataModule):
         return self.global_batch // self.replicas
 
     def train_dataloader(self) -> DataLoader:
+        if len(self.train_set) < self.per_replica_batch:
+            raise ValueError(
+                f"the training split holds {len(self.train_set)} sequences of {self.seq_len} tokens, fewer than one "
+                f"batch of {self.per_replica_batch}; give more data or lower data.global_batch"
+            )
         generator = torch.Generator().manual_seed(self.seed)
         return DataLoader(
             self.train_set,
@@ -126,7 +167,24 @@ class ByteCorpusDataModule(L.LightningDataModule):
         if len(self.val_set) < self.per_replica_batch:
             raise ValueError(
                 f"data.val_fraction={self.val_fraction}: the validation split holds {len(self.val_set)} sequences of "
-                f"{self.seq_len} bytes, fewer than one batch of {self.per_replica_batch}; raise data.val_fraction or "
-                f"data.corpus_bytes"
+                f"{self.seq_len} tokens, fewer than one batch of {self.per_replica_batch}; raise data.val_fraction or "
+                f"give more data"
             )
         return DataLoader(self.val_set, batch_size=self.per_replica_batch, drop_last=True, num_workers=self.num_workers)
+
+
+class ByteCorpusDataModule(TokenDataModule):
+    """Train/val split of a fixed slice of the stdlib corpus (`StdlibBytes`), bytes as tokens."""
+
+    def __init__(
+        self,
+        seq_len: int,
+        global_batch: int,
+        corpus_bytes: int = 2_000_000,
+        val_fraction: float = 0.05,
+        num_workers: int = 0,
+        seed: int = 1234,
+        dict_batches: bool = False,
+    ) -> None:
+        source = StdlibBytes(corpus_bytes)
+        super().__init__(source, seq_len, global_batch, val_fraction, num_workers, seed, dict_batches)
