@@ -5,6 +5,7 @@ from dataclasses import replace
 
 import pytest
 
+from holmes_lightning.bench import overhead
 from holmes_lightning.bench.calibrate import LabCalibration, calibrate, profile_gpt
 from holmes_lightning.bench.config import VARIANTS, BenchSettings
 from holmes_lightning.bench.load import CpuClock
@@ -12,7 +13,7 @@ from holmes_lightning.bench.overhead import OverheadRun, pair_ratios
 from holmes_lightning.bench.report import Target, draw, markdown, regime, repeated_runs, targets, write_json
 from holmes_lightning.bench.runner import RunResult, summarize
 from holmes_lightning.bench.variants import REFERENCE, Hardware, Variant, plan_variants
-from holmes_lightning.cli.config import ConfigError, ModelConfig
+from holmes_lightning.cli.config import ConfigError, HFModelConfig, ModelConfig
 from holmes_lightning.measure import available_cores
 from holmes_lightning.measure.calibration import Calibration
 from holmes_lightning.planner import BatchSettings, MachineCosts, PlanOptions, compare_plans
@@ -79,12 +80,37 @@ def test_bad_settings_name_the_field():
         BenchSettings(kind="overhead", variants=["plain", "holmes"], repeats=0)
 
 
-def test_the_overhead_ratio_pairs_the_runs_that_ran_next_to_each_other():
-    def run(variant: str, repeat: int, tokens_per_s: float) -> OverheadRun:
-        return OverheadRun(variant, repeat, (1.0,), 1.0, 0.0, tokens_per_s)
+def _overhead_run(model: str, variant: str, repeat: int, tokens_per_s: float) -> OverheadRun:
+    return OverheadRun(model, variant, repeat, (1.0,), 1.0, 0.0, tokens_per_s)
 
-    runs = [run("plain", 0, 100.0), run("holmes", 0, 99.0), run("plain", 1, 50.0), run("holmes", 1, 51.0)]
-    assert pair_ratios([*runs, run("plain", 2, 10.0)]) == [0.99, 1.02]  # an unfinished pair counts for nothing
+
+def test_the_overhead_ratio_pairs_the_runs_that_ran_next_to_each_other():
+    runs = [
+        _overhead_run("gpt", "plain", 0, 100.0),
+        _overhead_run("gpt", "holmes", 0, 99.0),
+        _overhead_run("gpt", "plain", 1, 50.0),
+        _overhead_run("gpt", "holmes", 1, 51.0),
+    ]
+    unfinished = _overhead_run("gpt", "plain", 2, 10.0)
+    assert pair_ratios([*runs, unfinished]) == [0.99, 1.02]  # an unfinished pair counts for nothing
+
+
+def test_the_overhead_report_judges_each_model_on_its_own_pairs(tmp_path):
+    hf = HFModelConfig(name="tiny_llama", config={"model_type": "llama", "hidden_size": 64}, seq_len=32)
+    settings = BenchSettings(kind="overhead", variants=["plain", "holmes"], hf_model=hf)
+    assert list(overhead.models(settings)) == [settings.model.name, "tiny_llama"]
+    runs = [
+        _overhead_run(settings.model.name, "plain", 0, 100.0),
+        _overhead_run(settings.model.name, "holmes", 0, 99.0),
+        _overhead_run("tiny_llama", "plain", 0, 100.0),
+        _overhead_run("tiny_llama", "holmes", 0, 90.0),
+    ]
+    report = overhead.markdown(runs, settings)
+    gpt_part, hf_part = report.split("## ")[1:]
+    assert "median 0.990 (target >= 0.98: met)" in gpt_part and "HF llama through HFCausalLM" in hf_part
+    assert "median 0.900 (target >= 0.98: NOT met)" in hf_part
+    overhead.draw(tmp_path / "overhead.png", runs)
+    assert (tmp_path / "overhead.png").stat().st_size > 0
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
 
-from holmes_lightning.cli.config import ConfigError, ModelConfig, StrategyConfig
+from holmes_lightning.cli.config import ConfigError, HFModelConfig, ModelConfig, StrategyConfig
 from holmes_lightning.topology import shipped_cluster_names
 from holmes_lightning.topology.spec import ClusterSpec
 
@@ -81,6 +81,8 @@ class BenchSettings:
     `prediction_tolerance`: how far each run's predicted step may be from the measured one. `calibration_seconds`: how
     long each distinct layer of the model is timed (`holmes_lightning.measure.calibration`).
 
+    `hf_model`: a transformers causal LM (train.py's `model=hf_*` schema) the overhead bench runs too.
+
     `slow_cluster` runs its NIC at `slow_nic_gbps` in the unequal-clusters topology (auto vs uniform partition).
     `bandwidth_scale` None: chosen from this CPU as `lab.scale` does, once, for every variant. What Holmes plans
     (degrees, schedule, sharding; `costs.dp_overlap`) is the job config's `strategy` node, as for train.py.
@@ -103,6 +105,7 @@ class BenchSettings:
     repeats: int = 1
     prediction_tolerance: float = 0.15
     match: RegimeMatch | None = None
+    hf_model: HFModelConfig | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

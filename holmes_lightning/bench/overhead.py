@@ -1,7 +1,8 @@
 """`python -m holmes_lightning.bench bench=overhead`: HolmesStrategy on one device against plain Lightning.
 
-Method: the recipe's GPT in `bench.model`'s shape trains on the byte corpus at `bench.global_batch` sequences per
-step, on one CPU process of one thread, once under Lightning's default strategy for one device and once under
+Method: each model (the recipe's GPT in `bench.model`'s shape, and with `bench.hf_model` a transformers causal LM
+through `HFCausalLM`, on dict batches) trains on the byte corpus at `bench.global_batch` sequences per step, on one
+CPU process of one thread, once under Lightning's default strategy for one device and once under
 `HolmesStrategy(pp=1, dp=1)` on a cluster of that one device (calibrating at start, as a user's job does). Each run is
 its own process (`python -m holmes_lightning.bench.overhead RUN.json`); the two alternate `bench.repeats` times, so
 that whatever else slows the machine meanwhile hits both. Per run: the median of the steps after the warm-up ones
@@ -9,7 +10,8 @@ that whatever else slows the machine meanwhile hits both. Per run: the median of
 its start-up (from the Trainer's `setup` to the first step: Holmes profiles, calibrates and plans there). The first
 Holmes run calibrates into an empty cache, the later ones read it, so the start-ups show both costs.
 
-Target: Holmes' tokens/s >= `TARGET` x plain Lightning's (the median over the repeats of each pair's ratio).
+Target, per model: Holmes' tokens/s >= `TARGET` x plain Lightning's (the median over the repeats of each pair's
+ratio).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from lightning.pytorch.callbacks import Callback
 from holmes_lightning.bench.calibrate import gpt
 from holmes_lightning.bench.config import BenchSettings
 from holmes_lightning.bench.worker import QUIET_TRAINER, StepTimer
-from holmes_lightning.cli.config import ModelConfig
+from holmes_lightning.cli.config import HFModelConfig, ModelConfig
+from holmes_lightning.cli.models import hf_causal_lm
 from holmes_lightning.measure.calibration import CACHE_ENV
 from holmes_lightning.recipes import ByteCorpusDataModule
 from holmes_lightning.runtime import HolmesStrategy
@@ -51,6 +54,7 @@ ONE_DEVICE = {
 class OverheadRun:
     """One process's run: its median step after warm-up, its start-up, and its tokens/s."""
 
+    model: str
     variant: str
     repeat: int
     step_s: tuple[float, ...]
@@ -70,9 +74,15 @@ class SetupClock(Callback):
 
 
 def train_once(spec: dict) -> dict:
-    """One run in this process: the GPT for the spec's steps under its variant; its step and start-up seconds."""
+    """One run in this process: the spec's model for its steps under its variant; its step and start-up seconds."""
     L.seed_everything(spec["seed"], workers=True)
-    model_config = ModelConfig(**spec["model"])
+    hf = "hf_model" in spec
+    if hf:
+        hf_config = HFModelConfig(**spec["hf_model"])
+        module, seq_len = hf_causal_lm(hf_config), hf_config.seq_len
+    else:
+        model_config = ModelConfig(**spec["model"])
+        module, seq_len = gpt(model_config), model_config.seq_len
     holmes = spec["variant"] == "holmes"
     strategy = HolmesStrategy(cluster=ONE_DEVICE, global_batch=spec["global_batch"], pp=1, dp=1) if holmes else "auto"
     timer, setup = StepTimer(spec["variant"], spec["steps"], None, Path()), SetupClock()
@@ -85,22 +95,34 @@ def train_once(spec: dict) -> dict:
         callbacks=[timer, setup],
     )
     data = ByteCorpusDataModule(
-        seq_len=model_config.seq_len,
+        seq_len=seq_len,
         global_batch=spec["global_batch"],
         corpus_bytes=spec["corpus_bytes"],
         seed=spec["seed"],
+        dict_batches=hf,
     )
-    trainer.fit(gpt(model_config), datamodule=data)
+    trainer.fit(module, datamodule=data)
     return {"step_s": timer.seconds, "startup_s": timer.first_step_at - setup.started_at}
 
 
-def run_once(variant: str, repeat: int, settings: BenchSettings, out_dir: Path) -> OverheadRun:
-    """One variant's run in a fresh single-thread process; Holmes' calibration cache lives in `out_dir`."""
-    folder = out_dir / f"{variant}_{repeat}"
+def models(settings: BenchSettings) -> dict[str, dict]:
+    """The models the bench compares on, by name: the GPT, and the HF model when `bench.hf_model` is set."""
+    found = {settings.model.name: {"model": asdict(settings.model), "seq_len": settings.model.seq_len}}
+    if settings.hf_model is not None:
+        hf = settings.hf_model
+        found[hf.name] = {"hf_model": asdict(hf), "seq_len": hf.seq_len}
+    return found
+
+
+def run_once(model: str, variant: str, repeat: int, settings: BenchSettings, out_dir: Path) -> OverheadRun:
+    """One model's run under one variant in a fresh single-thread process; Holmes' calibration cache lives in
+    `out_dir`."""
+    folder = out_dir / f"{model}_{variant}_{repeat}"
     folder.mkdir(parents=True, exist_ok=True)
+    described = models(settings)[model]
     spec = {
+        **{key: value for key, value in described.items() if key != "seq_len"},
         "variant": variant,
-        "model": asdict(settings.model),
         "global_batch": settings.global_batch,
         "steps": settings.steps,
         "corpus_bytes": settings.corpus_bytes,
@@ -114,91 +136,120 @@ def run_once(variant: str, repeat: int, settings: BenchSettings, out_dir: Path) 
     measured = tuple(result["step_s"][settings.warmup_steps :])
     median = statistics.median(measured)
     return OverheadRun(
+        model=model,
         variant=variant,
         repeat=repeat,
         step_s=measured,
         median_s=median,
         startup_s=result["startup_s"],
-        tokens_per_s=settings.global_batch * settings.model.seq_len / median,
+        tokens_per_s=settings.global_batch * described["seq_len"] / median,
     )
 
 
 def pair_ratios(runs: list[OverheadRun]) -> list[float]:
-    """Holmes' tokens/s over plain Lightning's, per repeat (the two runs that ran next to each other)."""
+    """Holmes' tokens/s over plain Lightning's, per repeat (the two runs that ran next to each other), of one model's
+    runs."""
     by_repeat: dict[int, dict[str, OverheadRun]] = {}
     for run in runs:
         by_repeat.setdefault(run.repeat, {})[run.variant] = run
     return [pair["holmes"].tokens_per_s / pair["plain"].tokens_per_s for pair in by_repeat.values() if len(pair) == 2]
 
 
+def by_model(runs: list[OverheadRun]) -> dict[str, list[OverheadRun]]:
+    found: dict[str, list[OverheadRun]] = {}
+    for run in runs:
+        found.setdefault(run.model, []).append(run)
+    return found
+
+
+def describe(model: str, settings: BenchSettings) -> str:
+    if settings.hf_model is not None and model == settings.hf_model.name:
+        hf = settings.hf_model
+        fields = ", ".join(f"{key} {value}" for key, value in hf.config.items() if key != "model_type")
+        return (
+            f"{model}: HF {hf.config.get('model_type', hf.pretrained)} through HFCausalLM ({fields}; seq {hf.seq_len})"
+        )
+    gpt_model = settings.model
+    return (
+        f"{model}: the recipe's GPT {gpt_model.n_layers}x{gpt_model.d_model} (heads {gpt_model.n_heads}, "
+        f"seq {gpt_model.seq_len})"
+    )
+
+
 def markdown(runs: list[OverheadRun], settings: BenchSettings) -> str:
-    ratios = pair_ratios(runs)
-    ratio = statistics.median(ratios)
-    model = settings.model
-    holmes_startups = [r.startup_s for r in runs if r.variant == "holmes"]
-    plain_startup = statistics.median(r.startup_s for r in runs if r.variant == "plain")
     lines = [
         f"# holmes-lightning overhead benchmark: {settings.name}",
         "",
-        f"GPT {model.n_layers}x{model.d_model} (heads {model.n_heads}, seq {model.seq_len}), batch "
-        f"{settings.global_batch} sequences, {settings.warmup_steps} warm-up + {settings.measured_steps} measured "
-        f"steps per run, one CPU thread, one process per run; {LABELS['plain']} and {LABELS['holmes']} alternate "
-        f"{settings.repeats} times. Step: median seconds between consecutive ends of a training step. Start-up: "
-        f"the Trainer's setup to the first step (Holmes profiles, calibrates and plans there; its first run "
-        f"calibrates into an empty cache, later runs read the cache).",
-        "",
-        "| repeat | run | step s (median) | tokens/s | start-up s |",
-        "|---:|---|---:|---:|---:|",
+        f"Batch {settings.global_batch} sequences, {settings.warmup_steps} warm-up + {settings.measured_steps} "
+        f"measured steps per run, one CPU thread, one process per run; per model, {LABELS['plain']} and "
+        f"{LABELS['holmes']} alternate {settings.repeats} times. Step: median seconds between consecutive ends of a "
+        f"training step. Start-up: the Trainer's setup to the first step (Holmes profiles, calibrates and plans "
+        f"there; its first run calibrates into an empty cache, later runs read the cache).",
     ]
-    for r in runs:
-        lines.append(
+    for model, mine in by_model(runs).items():
+        ratios = pair_ratios(mine)
+        ratio = statistics.median(ratios)
+        holmes_startups = [r.startup_s for r in mine if r.variant == "holmes"]
+        plain_startup = statistics.median(r.startup_s for r in mine if r.variant == "plain")
+        lines += [
+            "",
+            f"## {describe(model, settings)}",
+            "",
+            "| repeat | run | step s (median) | tokens/s | start-up s |",
+            "|---:|---|---:|---:|---:|",
+        ]
+        lines += [
             f"| {r.repeat} | {LABELS[r.variant]} | {r.median_s:.4f} | {r.tokens_per_s:,.0f} | {r.startup_s:.2f} |"
-        )
-    lines += [
-        "",
-        f"Holmes / plain tokens/s per repeat: {', '.join(f'{x:.3f}' for x in ratios)}; median {ratio:.3f} "
-        f"(target >= {TARGET}: {'met' if ratio >= TARGET else 'NOT met'}).",
-        f"Start-up: plain {plain_startup:.2f} s; Holmes {holmes_startups[0]:.2f} s calibrating, "
-        f"{statistics.median(holmes_startups[1:] or holmes_startups):.2f} s with the cached calibration.",
-    ]
+            for r in mine
+        ]
+        lines += [
+            "",
+            f"Holmes / plain tokens/s per repeat: {', '.join(f'{x:.3f}' for x in ratios)}; median {ratio:.3f} "
+            f"(target >= {TARGET}: {'met' if ratio >= TARGET else 'NOT met'}).",
+            f"Start-up: plain {plain_startup:.2f} s; Holmes {holmes_startups[0]:.2f} s calibrating, "
+            f"{statistics.median(holmes_startups[1:] or holmes_startups):.2f} s with the cached calibration.",
+        ]
     return "\n".join(lines) + "\n"
 
 
 def draw(path: Path, runs: list[OverheadRun]) -> None:
-    """Tokens/s of every run in the order they ran, Holmes' next to plain Lightning's."""
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    for variant in LABELS:
-        mine = [(i, r.tokens_per_s) for i, r in enumerate(runs) if r.variant == variant]
-        ax.bar([i for i, _ in mine], [t for _, t in mine], label=LABELS[variant])
-    ax.set_xticks(range(len(runs)), [f"{r.variant}\n#{r.repeat}" for r in runs], fontsize=8)
-    ax.set_ylabel("tokens/s (median step)")
-    ax.set_title(f"Strategy overhead on one device: Holmes / plain = {statistics.median(pair_ratios(runs)):.3f}")
-    ax.legend(fontsize=8, loc="lower right")
+    """Per model, tokens/s of every run in the order they ran, Holmes' next to plain Lightning's."""
+    groups = by_model(runs)
+    fig, axes = plt.subplots(1, len(groups), figsize=(7 * len(groups), 3.5), squeeze=False)
+    for ax, (model, mine) in zip(axes[0], groups.items(), strict=True):
+        for variant in LABELS:
+            bars = [(i, r.tokens_per_s) for i, r in enumerate(mine) if r.variant == variant]
+            ax.bar([i for i, _ in bars], [t for _, t in bars], label=LABELS[variant])
+        ax.set_xticks(range(len(mine)), [f"{r.variant}\n#{r.repeat}" for r in mine], fontsize=8)
+        ax.set_ylabel("tokens/s (median step)")
+        ax.set_title(f"{model}: Holmes / plain = {statistics.median(pair_ratios(mine)):.3f}", fontsize=10)
+        ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
 def run_overhead_bench(settings: BenchSettings, out_dir: Path) -> tuple[list[OverheadRun], str]:
-    """Alternate plain Lightning and Holmes `settings.repeats` times; write overhead.md, overhead.json, overhead.png."""
+    """Per model, alternate plain Lightning and Holmes `settings.repeats` times; write overhead.md, overhead.json,
+    overhead.png."""
     runs = []
-    for repeat in range(settings.repeats):
-        for variant in LABELS:
-            print(f"bench overhead [{repeat + 1}/{settings.repeats}] {LABELS[variant]}", flush=True)
-            runs.append(run_once(variant, repeat, settings, out_dir))
-            print(f"  median step {runs[-1].median_s:.4f} s, start-up {runs[-1].startup_s:.2f} s", flush=True)
+    for model in models(settings):
+        for repeat in range(settings.repeats):
+            for variant in LABELS:
+                print(f"bench overhead {model} [{repeat + 1}/{settings.repeats}] {LABELS[variant]}", flush=True)
+                runs.append(run_once(model, variant, repeat, settings, out_dir))
+                print(f"  median step {runs[-1].median_s:.4f} s, start-up {runs[-1].startup_s:.2f} s", flush=True)
     table = markdown(runs, settings)
     (out_dir / "overhead.md").write_text(table)
-    ratios = pair_ratios(runs)
+    ratios = {model: statistics.median(pair_ratios(mine)) for model, mine in by_model(runs).items()}
     data = {
         "bench": settings.name,
-        "model": asdict(settings.model),
+        "models": models(settings),
         "global_batch": settings.global_batch,
         "runs": [asdict(r) for r in runs],
         "ratios": ratios,
-        "ratio": statistics.median(ratios),
         "target": TARGET,
-        "met": statistics.median(ratios) >= TARGET,
+        "met": all(ratio >= TARGET for ratio in ratios.values()),
     }
     (out_dir / "overhead.json").write_text(json.dumps(data, indent=1))
     draw(out_dir / "overhead.png", runs)

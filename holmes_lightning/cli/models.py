@@ -44,9 +44,8 @@ def build_model(config: TrainConfig, arguments: Mapping[str, Any]) -> L.Lightnin
     """This rank's LightningModule (GPT and HF models on the meta device: the strategy materialises its stage)."""
     model, opt = config.model, config.trainer
     if isinstance(model, HFModelConfig):
-        hf_module = _hf_module(model)
         with torch.device("meta"):
-            return hf_module(_hf_source(model), learning_rate=opt.learning_rate, weight_decay=opt.weight_decay)
+            return hf_causal_lm(model, learning_rate=opt.learning_rate, weight_decay=opt.weight_decay)
     if model._target_ is not None:
         return build_target(model._target_, arguments)
     with torch.device("meta"):  # no storage yet: each rank allocates and initialises only its stage's layers
@@ -61,6 +60,11 @@ def build_model(config: TrainConfig, arguments: Mapping[str, Any]) -> L.Lightnin
             warmup_steps=opt.warmup_steps,
             weight_decay=opt.weight_decay,
         )
+
+
+def hf_causal_lm(model: HFModelConfig, **hyperparameters: Any) -> L.LightningModule:
+    """`HFCausalLM` of the configured HF model, built on the current device (meta: the strategy fills each stage)."""
+    return _hf_module(model)(_hf_source(model), **hyperparameters)
 
 
 def flops_per_sample(module: L.LightningModule, profile: ModelProfile | None) -> float | None:
