@@ -6,9 +6,10 @@ from dataclasses import replace
 import pytest
 
 from holmes_lightning.bench import overhead
-from holmes_lightning.bench.calibrate import LabCalibration, calibrate, profile_gpt
+from holmes_lightning.bench.calibrate import LabCalibration, calibrate
 from holmes_lightning.bench.config import VARIANTS, BenchSettings
 from holmes_lightning.bench.load import CpuClock
+from holmes_lightning.bench.model import BenchModel, FlatFSDP
 from holmes_lightning.bench.overhead import OverheadRun, pair_ratios
 from holmes_lightning.bench.report import Target, draw, markdown, regime, repeated_runs, targets, write_json
 from holmes_lightning.bench.runner import RunResult, summarize
@@ -22,7 +23,7 @@ from holmes_lightning.topology import Topology
 
 def test_every_variant_is_planned_and_reported(tmp_path, saved_figures):
     settings = BenchSettings(model=ModelConfig(n_layers=4, d_model=64, n_heads=4, seq_len=16), global_batch=8)
-    profile = profile_gpt(settings.model)
+    profile = BenchModel(gpt=settings.model).profile()
     costs = MachineCosts(efficiency=1.0, layer_overhead_s=1e-3, optimizer_s_per_gb=5.0, dp_overlap=0.0)
     calibration = LabCalibration(Calibration(10.0, 4e-3, 5e-3, 0.5, 5e-3, costs), 1e-4, "test")
     hardware = Hardware.derive(Topology.from_config("two_cluster_mixed"), settings, calibration)
@@ -116,8 +117,8 @@ def test_the_overhead_report_judges_each_model_on_its_own_pairs(tmp_path):
 @pytest.mark.slow
 def test_a_lab_rank_is_calibrated_on_the_benchmark_gpt(tmp_path, monkeypatch):
     monkeypatch.setenv("HOLMES_CALIBRATION_DIR", str(tmp_path))
-    model = ModelConfig(n_layers=2, d_model=32, n_heads=2, seq_len=8)
-    profile = profile_gpt(model)
+    model = BenchModel(gpt=ModelConfig(n_layers=2, d_model=32, n_heads=2, seq_len=8))
+    profile = model.profile()
     pair = Topology.from_config({"name": "pair", "clusters": [{"name": "a", "nodes": 2, "nic": {"kind": "roce"}}]})
     lab = calibrate(pair, profile, model, seconds=0, scale=1e-3, assumed=MachineCosts(dp_overlap=0.0))
     calibration = lab.calibration
@@ -192,7 +193,7 @@ def test_other_work_is_the_machine_busy_time_the_bench_did_not_spend():
 
 def test_runs_of_one_configuration_show_how_much_the_machine_varied():
     topology = Topology.from_config("two_cluster_mixed")
-    profile = profile_gpt(ModelConfig(n_layers=4, d_model=64, n_heads=4, seq_len=16))
+    profile = BenchModel(gpt=ModelConfig(n_layers=4, d_model=64, n_heads=4, seq_len=16)).profile()
     compared = compare_plans(topology, profile, BatchSettings(8), options=PlanOptions(pp=2))
     holmes, unaware = compared["holmes"], compared["nic_unaware"]
     assert (holmes.pp, holmes.dp, holmes.layers_per_stage()) == (unaware.pp, unaware.dp, unaware.layers_per_stage())
@@ -201,3 +202,34 @@ def test_runs_of_one_configuration_show_how_much_the_machine_varied():
     runs = [run_result("first", 2.0), run_result("elsewhere", 2.0), run_result("again", 2.2)]
     (line,) = repeated_runs(runs, variants)
     assert line.startswith("first and again ran the same configuration") and "(+10.0%)" in line
+
+
+def test_a_bench_trains_the_hf_model_when_given_one():
+    hf = HFModelConfig(
+        name="tiny_llama",
+        seq_len=16,
+        config={
+            "model_type": "llama",
+            "vocab_size": 256,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "max_position_embeddings": 16,
+        },
+    )
+    settings = BenchSettings(hf_model=hf, variants=["holmes_hybrid", "fsdp"])
+    trained = BenchModel.trained_by(settings)
+    assert BenchModel.from_spec(json.loads(json.dumps(trained.spec()))) == trained
+    assert trained.name == "tiny_llama" and trained.seq_len == 16 and trained.dict_batches
+    assert trained.profile().num_layers == 4  # embedding, two decoder layers, head
+    sharded = trained.build(flat_fsdp=True)
+    assert type(sharded).__mro__[1:3] == (FlatFSDP, type(trained.build()))
+    assert [p.shape for p in sharded.parameters()] == [p.shape for p in trained.build().parameters()]
+    assert BenchModel.trained_by(BenchSettings()).name == BenchSettings().model.name
+
+
+def test_benches_that_size_the_gpt_refuse_an_hf_model():
+    hf = HFModelConfig(config={"model_type": "llama"})
+    with pytest.raises(ConfigError, match="bench.hf_model with bench.kind=memory"):
+        BenchSettings(kind="memory", variants=["memory_fsdp"], hf_model=hf)

@@ -6,8 +6,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from holmes_lightning.bench.calibrate import LabCalibration, profile_gpt
+from holmes_lightning.bench.calibrate import LabCalibration
 from holmes_lightning.bench.config import BenchSettings, RegimeMatch, register_bench_configs
+from holmes_lightning.bench.model import BenchModel
 from holmes_lightning.bench.regime import SHARES, derive, rederive, shares
 from holmes_lightning.bench.variants import Hardware, plan_variants
 from holmes_lightning.cli.config import ConfigError, ModelConfig, register_configs
@@ -33,7 +34,7 @@ def measured_alone(model: ModelConfig) -> tuple:
     calibration = Calibration(
         gflops=50.0, pass_overhead_s=4e-3, optimizer_s=5e-3, share=0.5, device_tflops=0.025, costs=costs
     )
-    return profile_gpt(model), LabCalibration(calibration, 1.0, "configured link speeds")
+    return BenchModel(gpt=model).profile(), LabCalibration(calibration, 1.0, "configured link speeds")
 
 
 def paper_match(**overrides) -> RegimeMatch:

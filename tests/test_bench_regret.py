@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from holmes_lightning.bench.calibrate import lab_topology, profile_gpt
+from holmes_lightning.bench.calibrate import lab_topology
+from holmes_lightning.bench.model import BenchModel
 from holmes_lightning.bench.regret import ClusterRegret, Row, configurations, ranks, spearman
 from holmes_lightning.bench.variants import on_gloo
 from holmes_lightning.cli.config import ModelConfig
@@ -70,7 +71,7 @@ def test_the_choice_is_ranked_by_measured_step_against_the_fastest():
 @pytest.mark.parametrize("cluster", ["two_cluster_mixed", "three_cluster"])
 def test_every_configuration_is_distinct_and_none_is_predicted_faster_than_the_choice(cluster):
     model = ModelConfig(n_layers=6, d_model=64, n_heads=4, seq_len=32)
-    profile = profile_gpt(model)
+    profile = BenchModel(gpt=model).profile()
     topology = Topology.from_config(cluster)
     share = 2 / topology.world_size
     costs = MachineCosts(

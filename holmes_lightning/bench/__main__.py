@@ -35,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from holmes_lightning.bench.config import BenchJobConfig, register_bench_configs
 from holmes_lightning.bench.memory import run_memory_bench
+from holmes_lightning.bench.model import BenchModel
 from holmes_lightning.bench.overhead import run_overhead_bench
 from holmes_lightning.bench.regime import derive, rederive
 from holmes_lightning.bench.regret import run_regret_bench
@@ -73,23 +74,23 @@ def run(config: BenchJobConfig, out_dir: Path) -> Path:
             hybrid,
             settings,
             requested=config.strategy,
-            calibrate=lambda model: measure_model(hybrid, settings, model, assumed=assumed),
+            calibrate=lambda model: measure_model(hybrid, settings, BenchModel(gpt=model), assumed=assumed),
         )
         print(f"bench: {derived.describe()}", flush=True)
         # Measured again, longer: the derivation favours whichever candidate's measurement came out off in its favour
         longer = replace(settings, calibration_seconds=settings.match.calibration_seconds)
-        profile, remeasured = measure_model(hybrid, longer, derived.choice.model, assumed=assumed, fresh=True)
+        chosen = BenchModel(gpt=derived.choice.model)
+        profile, remeasured = measure_model(hybrid, longer, chosen, assumed=assumed, fresh=True)
         derived = rederive(derived, hybrid, settings, requested=config.strategy, measured=(profile, remeasured))
         print(f"bench: derived again on those costs: {derived.describe()}", flush=True)
         settings = derived.settings(settings)
         measured = profile, derived.choice.calibration  # at the derived bandwidth scale
     else:
-        measured = measure_model(hybrid, settings, settings.model, assumed=assumed)
+        measured = measure_model(hybrid, settings, BenchModel.trained_by(settings), assumed=assumed)
     results, context = run_bench(hybrid, settings, requested=config.strategy, out_dir=out_dir, measured=measured)
-    model = settings.model
     context.update(
         bench=settings.name,
-        model=f"GPT {model.n_layers}x{model.d_model} (heads {model.n_heads}, seq {model.seq_len})",
+        model=BenchModel.trained_by(settings).describe(),
         global_batch=settings.global_batch,
         steps=f"{settings.warmup_steps} warm-up + {settings.measured_steps} measured steps",
         prediction_tolerance=settings.prediction_tolerance,

@@ -1,13 +1,13 @@
 """The cost model's hardware for the lab: a rank's costs measured in one process, links x the lab's scale.
 
-A lab rank is one CPU thread. Its costs are measured on the benchmark's GPT (`holmes_lightning.measure.calibration`, the
-same measurement HolmesStrategy makes at job start, cached per machine and model shape): speed per sample, fixed cost
-per pass, AdamW step, FSDP2's hooks, and the latency of a message between the job's ranks while all compute (ranks
-started here for it, on loopback). Every lab rank computes on this machine's cores: the cost model gets a rank's
-speed alone and the core count, and times each action at the speed the ranks computing beside it leave it
-(`planner.sharing`). Links run at their configured speed x the lab's bandwidth scale, as the lab shapes them, and
-every byte they move costs the cores what it cost in the lab (veth, bridge and tc between namespaces: about 6 CPU-s
-per GB here, ten times loopback's), measured there once per machine.
+A lab rank is one CPU thread. Its costs are measured on the benchmark's model
+(`holmes_lightning.measure.calibration`, the same measurement HolmesStrategy makes at job start, cached per machine
+and model shape): speed per sample, fixed cost per pass, AdamW step, FSDP2's hooks, and the latency of a message
+between the job's ranks while all compute (ranks started here for it, on loopback). Every lab rank computes on this
+machine's cores: the cost model gets a rank's speed alone and the core count, and times each action at the speed the
+ranks computing beside it leave it (`planner.sharing`). Links run at their configured speed x the lab's bandwidth
+scale, as the lab shapes them, and every byte they move costs the cores what it cost in the lab (veth, bridge and tc
+between namespaces: about 6 CPU-s per GB here, ten times loopback's), measured there once per machine.
 """
 
 from __future__ import annotations
@@ -19,14 +19,13 @@ from pathlib import Path
 
 import torch
 
-from holmes_lightning.cli.config import ModelConfig
+from holmes_lightning.bench.model import BenchModel
 from holmes_lightning.lab.design import MAX_LAB_MBIT
 from holmes_lightning.lab.run import run_in_lab
 from holmes_lightning.lab.scale import default_bandwidth_scale, fastest_link_gbps
-from holmes_lightning.measure import available_cores, calibration, profile_modules, together
+from holmes_lightning.measure import available_cores, calibration, together
 from holmes_lightning.measure.calibration import Calibration
 from holmes_lightning.planner import MachineCosts, ModelProfile
-from holmes_lightning.recipes import GPT
 from holmes_lightning.topology import Topology
 
 
@@ -52,7 +51,7 @@ class LabCalibration:
 def calibrate(
     hybrid: Topology,
     profile: ModelProfile,
-    model: ModelConfig,
+    model: BenchModel,
     *,
     seconds: float,
     scale: float | None,
@@ -62,9 +61,8 @@ def calibrate(
     """A lab rank of `hybrid` training `model`, each distinct layer timed for `seconds`; `scale` None: the lab's
     default bandwidth scale for this CPU; `assumed`: the costs not measured (e.g. `dp_overlap`); `fresh`: time the
     model even if its costs are cached."""
-    sample = torch.zeros(1, model.seq_len, dtype=torch.long)
-    layers = gpt(model).pipeline_layers()
-    measured = calibration.measure(layers, sample, device=torch.device("cpu"), seconds=seconds, fresh=fresh)
+    layers = model.build().pipeline_layers()
+    measured = calibration.measure(layers, model.sample(), device=torch.device("cpu"), seconds=seconds, fresh=fresh)
     latency = together.local_handoff_latency_s(hybrid.world_size)
     scale, reason = (scale, "bench.bandwidth_scale") if scale is not None else default_bandwidth_scale(hybrid)
     costs = Calibration.of(
@@ -99,24 +97,6 @@ def lab_transfer_cpu_s_per_byte(hybrid: Topology) -> float:
     return together.cached_measurement(
         "lab-transfer", [hybrid.world_size, together.TRANSFER_BYTES, together.TRANSFER_ROUNDS], measure
     )
-
-
-def gpt(model: ModelConfig, cls: type[GPT] = GPT) -> GPT:
-    """The recipe's GPT (or a subclass of it) in the benchmark's shape."""
-    return cls(
-        n_layers=model.n_layers,
-        d_model=model.d_model,
-        n_heads=model.n_heads,
-        seq_len=model.seq_len,
-        vocab_size=model.vocab_size,
-        dropout=model.dropout,
-    )
-
-
-def profile_gpt(model: ModelConfig) -> ModelProfile:
-    """FLOPs (FlopCounterMode) and bytes of the recipe's pipeline layers on one sequence."""
-    sample = torch.zeros(1, model.seq_len, dtype=torch.long)
-    return profile_modules(gpt(model).pipeline_layers(), sample, name=model.name)
 
 
 def lab_topology(topology: Topology, bandwidth_scale: float, device_tflops: float) -> Topology:

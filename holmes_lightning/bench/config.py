@@ -81,7 +81,8 @@ class BenchSettings:
     `prediction_tolerance`: how far each run's predicted step may be from the measured one. `calibration_seconds`: how
     long each distinct layer of the model is timed (`holmes_lightning.measure.calibration`).
 
-    `hf_model`: a transformers causal LM (train.py's `model=hf_*` schema) the overhead bench runs too.
+    `hf_model`: a transformers causal LM (train.py's `model=hf_*` schema) trained through `HFCausalLM` on dict
+    batches: the speed and regret benches train it instead of the GPT, the overhead bench besides it.
 
     `slow_cluster` runs its NIC at `slow_nic_gbps` in the unequal-clusters topology (auto vs uniform partition).
     `bandwidth_scale` None: chosen from this CPU as `lab.scale` does, once, for every variant. What Holmes plans
@@ -130,6 +131,11 @@ class BenchSettings:
             raise ConfigError(f"bench.repeats={self.repeats!r}: must be >= 1")
         if not self.prediction_tolerance > 0:
             raise ConfigError(f"bench.prediction_tolerance={self.prediction_tolerance!r}: must be > 0, e.g. 0.05")
+        if self.hf_model is not None and (self.kind == "memory" or self.match is not None):
+            raise ConfigError(
+                f"bench.hf_model with bench.kind={self.kind}{' and bench.match' if self.match else ''}: this bench "
+                f"sizes the recipe's GPT; drop bench.hf_model (bench=hf, bench=overhead and bench=regret take it)"
+            )
         if self.calibration_seconds < 0:
             raise ConfigError(f"bench.calibration_seconds={self.calibration_seconds!r}: must be >= 0, e.g. 1.5")
 

@@ -26,13 +26,12 @@ from pathlib import Path
 import matplotlib
 import torch
 
-from holmes_lightning.bench.calibrate import gpt
 from holmes_lightning.bench.config import BenchSettings
+from holmes_lightning.bench.model import BenchModel
 from holmes_lightning.bench.runner import rank_results, worker_command, write_spec
 from holmes_lightning.bench.variants import Variant
 from holmes_lightning.cli.config import ModelConfig, StrategyConfig
 from holmes_lightning.launch.processes import launch
-from holmes_lightning.measure import profile_modules
 from holmes_lightning.planner import Backend, BatchSettings, ModelProfile, Sharding, best_plan
 from holmes_lightning.topology import Topology
 
@@ -84,8 +83,7 @@ class MemoryRow:
 def meta_profile(model: ModelConfig) -> ModelProfile:
     """The GPT's profile from shapes (FlopCounterMode and saved tensors on the meta device): nothing allocated."""
     with torch.device("meta"):
-        layers = gpt(model).pipeline_layers()
-    return profile_modules(layers, torch.zeros(1, model.seq_len, dtype=torch.long), name=model.name)
+        return BenchModel(gpt=model).profile()
 
 
 def plan_memory_variants(

@@ -29,11 +29,9 @@ import lightning as L
 import matplotlib
 from lightning.pytorch.callbacks import Callback
 
-from holmes_lightning.bench.calibrate import gpt
 from holmes_lightning.bench.config import BenchSettings
+from holmes_lightning.bench.model import BenchModel
 from holmes_lightning.bench.worker import QUIET_TRAINER, StepTimer
-from holmes_lightning.cli.config import HFModelConfig, ModelConfig
-from holmes_lightning.cli.models import hf_causal_lm
 from holmes_lightning.measure.calibration import CACHE_ENV
 from holmes_lightning.recipes import ByteCorpusDataModule
 from holmes_lightning.runtime import HolmesStrategy
@@ -76,13 +74,7 @@ class SetupClock(Callback):
 def train_once(spec: dict) -> dict:
     """One run in this process: the spec's model for its steps under its variant; its step and start-up seconds."""
     L.seed_everything(spec["seed"], workers=True)
-    hf = "hf_model" in spec
-    if hf:
-        hf_config = HFModelConfig(**spec["hf_model"])
-        module, seq_len = hf_causal_lm(hf_config), hf_config.seq_len
-    else:
-        model_config = ModelConfig(**spec["model"])
-        module, seq_len = gpt(model_config), model_config.seq_len
+    trained = BenchModel.from_spec(spec)
     holmes = spec["variant"] == "holmes"
     strategy = HolmesStrategy(cluster=ONE_DEVICE, global_batch=spec["global_batch"], pp=1, dp=1) if holmes else "auto"
     timer, setup = StepTimer(spec["variant"], spec["steps"], None, Path()), SetupClock()
@@ -95,23 +87,20 @@ def train_once(spec: dict) -> dict:
         callbacks=[timer, setup],
     )
     data = ByteCorpusDataModule(
-        seq_len=seq_len,
+        seq_len=trained.seq_len,
         global_batch=spec["global_batch"],
         corpus_bytes=spec["corpus_bytes"],
         seed=spec["seed"],
-        dict_batches=hf,
+        dict_batches=trained.dict_batches,
     )
-    trainer.fit(module, datamodule=data)
+    trainer.fit(trained.build(), datamodule=data)
     return {"step_s": timer.seconds, "startup_s": timer.first_step_at - setup.started_at}
 
 
-def models(settings: BenchSettings) -> dict[str, dict]:
+def models(settings: BenchSettings) -> dict[str, BenchModel]:
     """The models the bench compares on, by name: the GPT, and the HF model when `bench.hf_model` is set."""
-    found = {settings.model.name: {"model": asdict(settings.model), "seq_len": settings.model.seq_len}}
-    if settings.hf_model is not None:
-        hf = settings.hf_model
-        found[hf.name] = {"hf_model": asdict(hf), "seq_len": hf.seq_len}
-    return found
+    found = [BenchModel(gpt=settings.model)] + ([BenchModel(hf=settings.hf_model)] if settings.hf_model else [])
+    return {model.name: model for model in found}
 
 
 def run_once(model: str, variant: str, repeat: int, settings: BenchSettings, out_dir: Path) -> OverheadRun:
@@ -119,9 +108,9 @@ def run_once(model: str, variant: str, repeat: int, settings: BenchSettings, out
     `out_dir`."""
     folder = out_dir / f"{model}_{variant}_{repeat}"
     folder.mkdir(parents=True, exist_ok=True)
-    described = models(settings)[model]
+    trained = models(settings)[model]
     spec = {
-        **{key: value for key, value in described.items() if key != "seq_len"},
+        **trained.spec(),
         "variant": variant,
         "global_batch": settings.global_batch,
         "steps": settings.steps,
@@ -142,7 +131,7 @@ def run_once(model: str, variant: str, repeat: int, settings: BenchSettings, out
         step_s=measured,
         median_s=median,
         startup_s=result["startup_s"],
-        tokens_per_s=settings.global_batch * described["seq_len"] / median,
+        tokens_per_s=settings.global_batch * trained.seq_len / median,
     )
 
 
@@ -162,20 +151,6 @@ def by_model(runs: list[OverheadRun]) -> dict[str, list[OverheadRun]]:
     return found
 
 
-def describe(model: str, settings: BenchSettings) -> str:
-    if settings.hf_model is not None and model == settings.hf_model.name:
-        hf = settings.hf_model
-        fields = ", ".join(f"{key} {value}" for key, value in hf.config.items() if key != "model_type")
-        return (
-            f"{model}: HF {hf.config.get('model_type', hf.pretrained)} through HFCausalLM ({fields}; seq {hf.seq_len})"
-        )
-    gpt_model = settings.model
-    return (
-        f"{model}: the recipe's GPT {gpt_model.n_layers}x{gpt_model.d_model} (heads {gpt_model.n_heads}, "
-        f"seq {gpt_model.seq_len})"
-    )
-
-
 def markdown(runs: list[OverheadRun], settings: BenchSettings) -> str:
     lines = [
         f"# holmes-lightning overhead benchmark: {settings.name}",
@@ -193,7 +168,7 @@ def markdown(runs: list[OverheadRun], settings: BenchSettings) -> str:
         plain_startup = statistics.median(r.startup_s for r in mine if r.variant == "plain")
         lines += [
             "",
-            f"## {describe(model, settings)}",
+            f"## {models(settings)[model].describe()}",
             "",
             "| repeat | run | step s (median) | tokens/s | start-up s |",
             "|---:|---|---:|---:|---:|",
@@ -244,7 +219,7 @@ def run_overhead_bench(settings: BenchSettings, out_dir: Path) -> tuple[list[Ove
     ratios = {model: statistics.median(pair_ratios(mine)) for model, mine in by_model(runs).items()}
     data = {
         "bench": settings.name,
-        "models": models(settings),
+        "models": [model.spec() for model in models(settings).values()],
         "global_batch": settings.global_batch,
         "runs": [asdict(r) for r in runs],
         "ratios": ratios,

@@ -29,6 +29,7 @@ import matplotlib
 
 from holmes_lightning.bench.calibrate import LabCalibration, lab_topology
 from holmes_lightning.bench.config import BenchSettings
+from holmes_lightning.bench.model import BenchModel
 from holmes_lightning.bench.runner import launch_runs, measure_model, measured_steps
 from holmes_lightning.bench.variants import Variant, free_choice, on_gloo, run_key
 from holmes_lightning.cli.config import StrategyConfig
@@ -164,7 +165,8 @@ def measure_cluster(
 ) -> ClusterRegret:
     """Calibrate for this cluster's rank count, plan every configuration, run them all in one launch."""
     topology = Topology.from_config(cluster)
-    profile, calibration = measure_model(topology, settings, settings.model, assumed=requested.machine_costs())
+    trained = BenchModel.trained_by(settings)
+    profile, calibration = measure_model(topology, settings, trained, assumed=requested.machine_costs())
     lab = lab_topology(topology, calibration.bandwidth_scale, calibration.calibration.device_tflops)
     plans, chosen = configurations(
         lab,
@@ -204,11 +206,10 @@ def measure_cluster(
 
 
 def markdown(results: list[ClusterRegret], settings: BenchSettings) -> str:
-    model = settings.model
     lines = [
         f"# holmes-lightning benchmark: {settings.name}",
         "",
-        f"Model GPT {model.n_layers}x{model.d_model} (heads {model.n_heads}, seq {model.seq_len}), global batch "
+        f"Model {BenchModel.trained_by(settings).describe()}, global batch "
         f"{settings.global_batch} sequences, {settings.warmup_steps} warm-up + {settings.measured_steps} measured "
         f"steps per configuration, every configuration of a cluster in one launch of the lab. Regret: the planner's "
         f"choice's measured step / the fastest measured - 1 (target <= {REGRET_TARGET:.0%}); Spearman: rank "
@@ -276,7 +277,7 @@ def run_regret_bench(settings: BenchSettings, requested: StrategyConfig, out_dir
     (out_dir / "regret.md").write_text(table)
     data = {
         "bench": settings.name,
-        "model": asdict(settings.model),
+        **BenchModel.trained_by(settings).spec(),
         "global_batch": settings.global_batch,
         "targets": {"regret": REGRET_TARGET, "spearman": SPEARMAN_TARGET},
         "clusters": [

@@ -10,11 +10,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from holmes_lightning.bench.calibrate import LabCalibration, calibrate, profile_gpt
+from holmes_lightning.bench.calibrate import LabCalibration, calibrate
 from holmes_lightning.bench.config import BenchSettings
 from holmes_lightning.bench.load import CpuClock
+from holmes_lightning.bench.model import BenchModel
 from holmes_lightning.bench.variants import Hardware, Variant, plan_variants
-from holmes_lightning.cli.config import LabConfig, ModelConfig
+from holmes_lightning.cli.config import LabConfig
 from holmes_lightning.cli.launch import start_ranks
 from holmes_lightning.planner import MachineCosts, ModelProfile, PlanOptions
 from holmes_lightning.topology import Topology
@@ -47,7 +48,7 @@ def write_spec(
     spec = {
         "runs": [{"name": run.name, "strategy": run.strategy, "plan": run.plan.to_json()} for run in runs],
         "topology": topology.to_dict(),
-        "model": asdict(settings.model),
+        **BenchModel.trained_by(settings).spec(),
         "global_batch": settings.global_batch,
         "steps": settings.steps,
         "warmup_steps": settings.warmup_steps,
@@ -107,7 +108,7 @@ def summarize(
 ) -> RunResult:
     slowest = measured_steps(per_rank, settings.warmup_steps)
     median = statistics.median(slowest)
-    tokens = settings.global_batch * settings.model.seq_len
+    tokens = settings.global_batch * BenchModel.trained_by(settings).seq_len
     world = variant.topology.world_size
     plan = variant.plan
     layout = f"pp={plan.pp} x dp={plan.dp}, {plan.microbatches} mb, layers {plan.layers_per_stage()}, {plan.sharding}"
@@ -128,11 +129,11 @@ def summarize(
 
 
 def measure_model(
-    hybrid: Topology, settings: BenchSettings, model: ModelConfig, *, assumed: MachineCosts, fresh: bool = False
+    hybrid: Topology, settings: BenchSettings, model: BenchModel, *, assumed: MachineCosts, fresh: bool = False
 ) -> tuple[ModelProfile, LabCalibration]:
     """`model`'s profile and a lab rank's costs for it, measured here (at `settings.bandwidth_scale`, or this CPU's;
     `assumed`: what is not measured); `fresh`: measured again even if cached."""
-    profile = profile_gpt(model)
+    profile = model.profile()
     calibration = calibrate(
         hybrid,
         profile,

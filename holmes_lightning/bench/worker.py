@@ -1,9 +1,10 @@
 """One rank of one launch of the bench: `python -m holmes_lightning.bench.worker SPEC.json`, started by the lab.
 
-For each of the spec's runs in turn (`spec["runs"]`: name, strategy and, for Holmes, the plan), trains the recipe's
-GPT on the byte corpus for the given steps under a fresh Trainer; writes this rank's step times per run (seconds
-between consecutive ends of a training step) to `rank<N>.json` in the spec's folder, with its resident memory just
-before the first model is built (`baseline_rss_bytes`) and at its peak. `spec["meta"]`: build the model under
+For each of the spec's runs in turn (`spec["runs"]`: name, strategy and, for Holmes, the plan), trains the spec's
+model (`bench.model.BenchModel`: the recipe's GPT, or an HF causal LM on dict batches) on the byte corpus for the
+given steps under a fresh Trainer; writes this rank's step times per run (seconds between consecutive ends of a
+training step) to `rank<N>.json` in the spec's folder, with its resident memory just before the first model is built
+(`baseline_rss_bytes`) and at its peak. `spec["meta"]`: build the model under
 `trainer.init_module(empty_init=True)` (HolmesStrategy then allocates only this rank's stage).
 """
 
@@ -21,14 +22,11 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
-from torch.distributed.fsdp import fully_shard
 
-from holmes_lightning.bench.calibrate import gpt
-from holmes_lightning.cli.config import ModelConfig
+from holmes_lightning.bench.model import BenchModel
 from holmes_lightning.measure import peak_resident_bytes, resident_bytes
 from holmes_lightning.planner import Plan
 from holmes_lightning.recipes import ByteCorpusDataModule
-from holmes_lightning.recipes.gpt import GPT
 from holmes_lightning.runtime import HolmesStrategy
 from holmes_lightning.runtime.environment import default_environment
 from holmes_lightning.topology import Topology
@@ -66,19 +64,6 @@ class StepTimer(Callback):
             print(f"  {self.label}: step {len(self.seconds)}/{self.steps} {self.seconds[-1]:.3f} s", flush=True)
 
 
-class FlatFSDPGPT(GPT):
-    """The recipe's GPT under ModelParallelStrategy, as a Lightning user shards it: FSDP2 per layer, then the root.
-
-    With fully_shard's default, weights are freed after forward and gathered again for backward (two all-gathers and
-    one reduce-scatter per step): what HolmesStrategy does without a pipeline (`Plan.reshard_after_forward`) and the
-    planner's flat_fsdp alternative costs. Lightning's FSDPStrategy wraps torch's FSDP1, which refuses CPU devices.
-    """
-
-    def configure_model(self) -> None:
-        for module in (*self.pipeline_layers(), self):
-            fully_shard(module, mesh=self.device_mesh["data_parallel"])
-
-
 QUIET_TRAINER = {  # a timed run: no validation, logging, checkpoints or console output
     "limit_val_batches": 0,
     "num_sanity_val_steps": 0,
@@ -109,12 +94,13 @@ def train(spec: dict, run: dict, topology: Topology, rank: int) -> dict:
     started = time.perf_counter()
     out = Path(spec["out_dir"])
     L.seed_everything(spec["seed"], workers=True)
-    model_config = ModelConfig(**spec["model"])
+    trained = BenchModel.from_spec(spec)
     data = ByteCorpusDataModule(
-        seq_len=model_config.seq_len,
+        seq_len=trained.seq_len,
         global_batch=spec["global_batch"],
         corpus_bytes=spec["corpus_bytes"],
         seed=spec["seed"],
+        dict_batches=trained.dict_batches,
     )
     trace_step = spec["warmup_steps"] if spec["trace"] else None
     timer = StepTimer(run["name"], spec["steps"], trace_step, out / f"trace_{run['name']}_rank{rank}.json")
@@ -130,7 +116,7 @@ def train(spec: dict, run: dict, topology: Topology, rank: int) -> dict:
     )
     before_model = resident_bytes()
     with trainer.init_module(empty_init=True) if spec.get("meta") else nullcontext():
-        model = gpt(model_config, FlatFSDPGPT if run["strategy"] == "fsdp" else GPT)
+        model = trained.build(flat_fsdp=run["strategy"] == "fsdp")
     trainer.fit(model, datamodule=data)
     plan_mesh = getattr(trainer.strategy, "plan_mesh", None)
     stage = None if plan_mesh is None else plan_mesh.stage
