@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from holmes_lightning.cli.config import PlanJobConfig, register_configs
+from holmes_lightning.cli.config import ConfigError, PlanJobConfig, register_configs
 from holmes_lightning.cli.plan import run
 from holmes_lightning.planner import Plan
 from holmes_lightning.topology import config_dir
@@ -102,3 +102,18 @@ def test_paper_setting_prints_a_plan_no_worse_than_its_alternatives(capsys):
     for name in ("uniform", "nic_unaware", "flat_fsdp"):
         assert holmes.prediction.total_s <= plans[name].prediction.total_s, name
     assert holmes.prediction.total_s < plans["uniform"].prediction.total_s
+
+
+def test_an_hf_model_is_planned_from_its_config_in_the_training_dtype(capsys):
+    pytest.importorskip("transformers")
+    shape = ["model.config.hidden_size=256", "model.config.intermediate_size=512", "model.config.num_hidden_layers=6"]
+    bf16 = run(composed("cluster=two_cluster_mixed", "model=hf_llama", *shape))["holmes"]
+    assert "HFDecoderLayer" in capsys.readouterr().out
+    fp32 = run(composed("cluster=two_cluster_mixed", "model=hf_llama", "plan.bytes_per_value=4", *shape))["holmes"]
+    assert sum(bf16.layers_per_stage()) == sum(fp32.layers_per_stage()) == 8  # embedding, 6 decoder layers, head
+    assert fp32.prediction.memory_gb == pytest.approx(2 * bf16.prediction.memory_gb, rel=0.3)
+
+
+def test_your_own_module_is_planned_by_the_strategy_not_the_cli():
+    with pytest.raises(ConfigError, match=r"model._target_=my_package.Model: the plan CLI plans the GPT"):
+        run(composed("model=gpt_tiny", "model._target_=my_package.Model"))

@@ -286,7 +286,7 @@ class PlanJobConfig:
     """`python -m holmes_lightning.cli.plan`: the job's hardware, model, batch and strategy, planned without running."""
 
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: Any = omegaconf.MISSING  # ModelConfig or HFModelConfig: the `model` group's choice brings its schema
     data: DataConfig = field(default_factory=DataConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)

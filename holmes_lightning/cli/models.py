@@ -36,7 +36,7 @@ def check_model(config: TrainConfig, arguments: Mapping[str, Any], data_vocab: i
     target = None if isinstance(model, HFModelConfig) else model._target_
     check_target("model", target, L.LightningModule, arguments)
     if isinstance(model, HFModelConfig):
-        return _check_hf(model, data_vocab)
+        return hf_profile(model, data_vocab=data_vocab)
     return None if target is not None else ModelProfile.from_gpt(model)
 
 
@@ -106,9 +106,10 @@ def _hf_source(model: HFModelConfig) -> Any:
         raise ConfigError(f"model.config: {reason}") from None
 
 
-def _check_hf(model: HFModelConfig, data_vocab: int | None) -> ModelProfile:
+def hf_profile(model: HFModelConfig, *, data_vocab: int | None = None, bytes_per_value: int = 4) -> ModelProfile:
     """Build the model on the meta device (nothing allocated, nothing read but configs and safetensors headers) and
-    profile its pipeline layers on one sequence of `model.seq_len` tokens."""
+    profile its pipeline layers on one sequence of `model.seq_len` tokens, in fp32 or (`bytes_per_value=2`) bf16;
+    checked against the positions it takes and the data's vocabulary (`data_vocab`, None: unknown)."""
     hf_module = _hf_module(model)
     source = _hf_source(model)
     where = f"model.pretrained={model.pretrained}" if model.pretrained is not None else f"model={model.name}"
@@ -126,5 +127,7 @@ def _check_hf(model: HFModelConfig, data_vocab: int | None) -> ModelProfile:
             f"{where}: a vocabulary of {hf_config.vocab_size} tokens, but the data's (bytes, or the tokenizer's) has "
             f"{data_vocab}; give the model a vocab_size of at least {data_vocab}"
         )
+    if bytes_per_value == 2:
+        module.to(torch.bfloat16)
     sample = dict_inputs({"input_ids": torch.zeros(1, model.seq_len, dtype=torch.long)})
     return profile_modules(module.pipeline_layers(), sample, name=model.name)

@@ -14,7 +14,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from holmes_lightning.cli.config import PlanJobConfig, register_configs
+from holmes_lightning.cli.config import ConfigError, HFModelConfig, ModelConfig, PlanJobConfig, register_configs
 from holmes_lightning.planner import BatchSettings, ModelProfile, PlanError, compare_plans
 from holmes_lightning.planner.draw import draw_plans
 from holmes_lightning.planner.report import format_comparison, format_plan
@@ -27,7 +27,7 @@ register_configs()
 def run(config: PlanJobConfig) -> dict:
     """Plan the configured job and print (and optionally draw and save) the result; returns the compared plans."""
     topology = Topology.from_config(config.cluster)
-    profile = ModelProfile.from_gpt(config.model, bytes_per_value=config.plan.bytes_per_value)
+    profile = model_profile(config.model, config.plan.bytes_per_value)
     strategy, knobs = config.strategy, config.plan
     print(topology)
     print(
@@ -52,11 +52,26 @@ def run(config: PlanJobConfig) -> dict:
     return plans
 
 
+def model_profile(model: ModelConfig | HFModelConfig, bytes_per_value: int) -> ModelProfile:
+    """What is planned: the GPT's analytic profile, or an HF model's pipeline layers built from its config on the meta
+    device (`model=hf_*`), in the training dtype."""
+    if isinstance(model, HFModelConfig):
+        from holmes_lightning.cli.models import hf_profile  # imports Lightning and transformers: only for HF models
+
+        return hf_profile(model, bytes_per_value=bytes_per_value)
+    if model._target_ is not None:
+        raise ConfigError(
+            f"model._target_={model._target_}: the plan CLI plans the GPT (model=gpt_*) and HF models (model=hf_*); "
+            f"your module's layers are known once it is built: HolmesStrategy plans it at start and logs the plan"
+        )
+    return ModelProfile.from_gpt(model, bytes_per_value=bytes_per_value)
+
+
 @hydra.main(version_base=None, config_path=str(config_dir()), config_name="plan")
 def _hydra_main(cfg: DictConfig) -> None:
     try:
         run(OmegaConf.to_object(cfg))
-    except (PlanError, TopologyError) as err:
+    except (ConfigError, PlanError, TopologyError) as err:
         sys.exit(f"plan: {err}")
 
 

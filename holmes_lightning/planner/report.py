@@ -85,6 +85,8 @@ def _layer_range(profile: ModelProfile, start: int, stop: int) -> str:
 def _ms(seconds: float) -> str:
     if seconds < 1e-6:
         return "0"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.3g}us"
     return f"{seconds * 1e3:.3g}ms" if seconds < 1 else f"{seconds:.3g}s"
 
 
