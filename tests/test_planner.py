@@ -19,6 +19,7 @@ from holmes_lightning.planner import (
     Schedule,
     SettingError,
     best_plan,
+    best_plan_per_replica,
     compare_plans,
 )
 from holmes_lightning.planner.layout import dp_degrees, group_orders, holmes_layout
@@ -375,3 +376,26 @@ def test_a_hosts_available_memory_is_read_from_meminfo():
     meminfo = "MemTotal:       24000000 kB\nMemFree:         1000000 kB\nMemAvailable:   20000000 kB\n"
     assert available_memory_gb(meminfo) == pytest.approx(20000000 * 1024 / 1e9)
     assert available_memory_gb("MemTotal: 1 kB\n") is None
+
+
+@settings(max_examples=15, deadline=None)
+@given(topologies(), st.sampled_from([1, 2, 4]))
+def test_a_dataloaders_batch_per_replica_gets_the_fastest_dp_degree(topology, replica_batch):
+    """Without a global batch, each DP replica reads `replica_batch` per step: the plan is, of every DP degree's best
+    plan for `replica_batch` x dp, the one of most tokens per second."""
+    per_degree = []
+    for dp in dp_degrees(topology):
+        batch = BatchSettings(replica_batch * dp)
+        try:
+            per_degree.append(best_plan(topology, GPT_SMALL, batch, options=PlanOptions(dp=dp)))
+        except PlanError:
+            continue
+    if not per_degree:
+        with pytest.raises(PlanError, match=f"no feasible plan for {replica_batch} samples per DP replica"):
+            best_plan_per_replica(topology, GPT_SMALL, replica_batch)
+        return
+    chosen = best_plan_per_replica(topology, GPT_SMALL, replica_batch)
+    assert chosen.replica_batch == replica_batch and chosen.global_batch == replica_batch * chosen.dp
+    assert chosen.prediction.tokens_per_s == max(plan.prediction.tokens_per_s for plan in per_degree)
+    pinned = best_plan_per_replica(topology, GPT_SMALL, replica_batch, options=PlanOptions(dp=per_degree[0].dp))
+    assert pinned == per_degree[0]

@@ -202,6 +202,36 @@ def test_two_virtual_stages_on_one_device_match_plain_training() -> None:
     assert result["losses"] == pytest.approx(reference, rel=1e-4)  # training steps, then the validation loss
 
 
+def one_rank_without_a_global_batch() -> dict:
+    """Rank side: no global batch given; a DataLoader of a fixed batch size, then one asking the strategy for it."""
+
+    class FixedBatch(TinyMLP):
+        def train_dataloader(self) -> Any:
+            return tiny_loader(32, 8)
+
+    class AsksForIt(TinyMLP):
+        def train_dataloader(self) -> Any:
+            return tiny_loader(32, self.trainer.strategy.replica_batch_size)
+
+    strategy = HolmesStrategy(cluster=ONE_RANK, timeout=60)
+    _fit(FixedBatch(), strategy, 1, None, nodes=1)
+    try:
+        _fit(AsksForIt(), HolmesStrategy(cluster=ONE_RANK, timeout=60), 1, None, nodes=1)
+        error = None
+    except ValueError as refused:
+        error = str(refused)
+    return {"global_batch": strategy.plan.global_batch, "notes": list(strategy.plan.notes), "error": error}
+
+
+@pytest.mark.slow
+def test_without_a_global_batch_the_dataloader_sets_it_or_is_told_how() -> None:
+    (result,) = run_ranks("test_strategy:one_rank_without_a_global_batch", cluster=ONE_RANK, timeout_s=180)
+    assert result["global_batch"] == 8
+    assert "global batch 8: the DataLoader's batch_size=8 x dp=1" in result["notes"]
+    assert result["error"].startswith("HolmesStrategy(global_batch=None)")
+    assert "give the DataLoader a batch_size" in result["error"]
+
+
 def test_pipeline_without_the_contract_says_what_to_add() -> None:
     with pytest.raises(ContractError, match=r"PlainMLP to define pipeline_layers and pipeline_loss: add `def"):
         HolmesStrategy(cluster="two_cluster_mixed", pp=2).connect(PlainMLP())

@@ -9,6 +9,7 @@ Lightning's DistributedSampler gives the two replicas together.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from functools import cache
@@ -39,7 +40,7 @@ def launched(name: str, out: str) -> tuple[list[list[float]], str]:
 
 
 @cache
-def reference_losses() -> list[float]:
+def reference_losses(global_batch: int = user_script.GLOBAL_BATCH) -> list[float]:
     L.seed_everything(user_script.SEED)
     model, losses = user_script.GatedClassifier(), user_script.StepLosses()
     data = user_script.dataset()
@@ -54,7 +55,7 @@ def reference_losses() -> list[float]:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(model, DataLoader(data, batch_size=user_script.GLOBAL_BATCH, sampler=sampler))
+    trainer.fit(model, DataLoader(data, batch_size=global_batch, sampler=sampler))
     return losses.losses
 
 
@@ -68,3 +69,20 @@ def test_user_script_matches_one_process(launcher, tmp_path_factory):
         assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
     # one host plays every node: said once (rank 0) when the launcher numbered ranks on one node
     assert output.count(EMULATION_LINE) == (0 if launcher == "holmes-launch" else 1), output[-5000:]
+
+
+@pytest.mark.slow
+def test_strategy_holmes_takes_the_batch_size_of_a_ddp_style_dataloader(tmp_path):
+    """`Trainer(strategy="holmes")` with no global batch and no example_input_array, under torchrun: each DP replica
+    reads one batch of the DataLoader's size per step, so the step is one process's on that batch x the planned dp."""
+    command = [*LAUNCHERS["torchrun"], str(tmp_path), "registered"]
+    environment = {**os.environ, "HOLMES_CLUSTER": "two_cluster_mixed"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=environment)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-5000:]
+    written = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(4)]
+    dp = written[0]["dp"]
+    assert f"global batch {user_script.LOADER_BATCH * dp}: the DataLoader's batch_size=" in output
+    expected = reference_losses(user_script.LOADER_BATCH * dp)
+    for rank in written:
+        assert rank["dp"] == dp and rank["losses"] == pytest.approx(expected, rel=1e-5, abs=1e-6)

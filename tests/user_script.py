@@ -4,6 +4,10 @@ The same file runs unchanged under Lightning's launcher (`python user_script.py 
 three processes), `torchrun --standalone --nproc-per-node 4 user_script.py OUT` and
 `holmes-launch cluster=two_cluster_mixed -- python user_script.py OUT`. Each rank writes the loss of every training
 step to OUT/rank<N>.json.
+
+`python user_script.py OUT registered`: `Trainer(strategy="holmes")` on `$HOLMES_CLUSTER`, no global batch given,
+no `example_input_array`, and a DataLoader of its own batch size split by `distributed_sampler_kwargs`, as a
+DDP script writes it; OUT/rank<N>.json then also holds the plan's DP degree.
 """
 
 from __future__ import annotations
@@ -16,11 +20,12 @@ from typing import Any
 import lightning as L
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from holmes_lightning import HolmesStrategy
 
 SEED, STEPS, GLOBAL_BATCH, FEATURES, CLASSES = 11, 6, 8, 12, 3
+LOADER_BATCH = 4  # the registered run's DataLoader: samples per DP replica per step
 
 
 def dataset() -> TensorDataset:
@@ -60,6 +65,19 @@ class GatedClassifier(L.LightningModule):
         return DataLoader(dataset(), batch_size=self.trainer.strategy.replica_batch_size, shuffle=True)
 
 
+class DDPStyleClassifier(GatedClassifier):
+    """The same model as a DDP user writes its data: a DataLoader of a fixed batch size, split by hand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.example_input_array = None
+
+    def train_dataloader(self) -> DataLoader:
+        data = dataset()
+        sampler = DistributedSampler(data, shuffle=True, seed=SEED, **self.trainer.strategy.distributed_sampler_kwargs)
+        return DataLoader(data, batch_size=LOADER_BATCH, sampler=sampler)
+
+
 class Gated(nn.Module):
     def __init__(self, width_in: int, width_out: int) -> None:
         super().__init__()
@@ -77,10 +95,10 @@ class StepLosses(L.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def main(out: str) -> None:
+def main(out: str, registered: bool = False) -> None:
     L.seed_everything(SEED)
-    model, losses = GatedClassifier(), StepLosses()
-    strategy = HolmesStrategy(cluster="two_cluster_mixed", global_batch=GLOBAL_BATCH, pp=2)
+    model, losses = (DDPStyleClassifier() if registered else GatedClassifier()), StepLosses()
+    strategy = "holmes" if registered else HolmesStrategy(cluster="two_cluster_mixed", global_batch=GLOBAL_BATCH, pp=2)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=4,
@@ -93,8 +111,9 @@ def main(out: str) -> None:
         enable_model_summary=False,
     )
     trainer.fit(model)
-    Path(out, f"rank{trainer.global_rank}.json").write_text(json.dumps(losses.losses))
+    written = {"losses": losses.losses, "dp": trainer.strategy.plan.dp} if registered else losses.losses
+    Path(out, f"rank{trainer.global_rank}.json").write_text(json.dumps(written))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], registered=sys.argv[2:] == ["registered"])

@@ -250,6 +250,37 @@ def on_shared_cores(
     return replace(planned, stages=stages, prediction=prediction, shared_cores=cores)
 
 
+def best_plan_per_replica(
+    topology: Topology,
+    profile: ModelProfile,
+    replica_batch: int,
+    *,
+    options: PlanOptions | None = None,
+    costs: MachineCosts | None = None,
+) -> Plan:
+    """The best plan when each DP replica takes `replica_batch` samples per step, as a DataLoader of that batch size
+    does under DDP (the global batch is then `replica_batch` x dp): the one of most tokens per second over the DP
+    degrees the options allow, each planned by `best_plan`."""
+    options = options or PlanOptions()
+    if options.dp is not None:
+        degrees = [options.dp]
+    elif options.layout is LayoutKind.flat_fsdp:
+        degrees = [topology.world_size]
+    else:
+        degrees = dp_degrees(topology)
+    plans, problems = [], []
+    for dp in degrees:
+        batch = BatchSettings(replica_batch * dp)
+        try:
+            plans.append(best_plan(topology, profile, batch, options=replace(options, dp=dp), costs=costs))
+        except PlanError as error:
+            problems.append(f"dp={dp} (global batch {batch.global_batch}): {str(error).splitlines()[-1].strip()}")
+    if not plans:
+        reasons = "\n  ".join(problems)
+        raise PlanError(f"no feasible plan for {replica_batch} samples per DP replica per step:\n  {reasons}")
+    return max(plans, key=lambda plan: plan.prediction.tokens_per_s)
+
+
 def compare_plans(
     topology: Topology,
     profile: ModelProfile,

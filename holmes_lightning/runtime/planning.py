@@ -36,6 +36,7 @@ from holmes_lightning.planner import (
     Plan,
     PlanOptions,
     best_plan,
+    best_plan_per_replica,
 )
 from holmes_lightning.planner.report import format_plan
 from holmes_lightning.runtime.contract import Inputs, dict_inputs, missing_contract, prediction_inputs, split_batch
@@ -65,6 +66,22 @@ class PlanRequest:
     precision: str = "32-true"
 
 
+@dataclass
+class SampleReading:
+    """What the DataLoader asked of the strategy while rank 0 read one sample of it, before there was a plan."""
+
+    asked_batch_size: bool = False
+
+
+@dataclass(frozen=True)
+class DataSample:
+    """One sample's inputs to the first layer (None: not needed), and the DataLoader's own batch size: what each DP
+    replica reads per step when the loader chose it rather than asking for `replica_batch_size` (None: unknown)."""
+
+    inputs: Inputs | None
+    replica_batch: int | None = None
+
+
 @dataclass(frozen=True)
 class AgreedPlan:
     """The job's plan, what calibration measured for it (None: not calibrated), and both in words for the log."""
@@ -91,7 +108,7 @@ def agree_on_plan(
     *,
     trainer: pl.Trainer,
     place: JobPlace,
-    reading_data: Callable[[], AbstractContextManager],
+    reading_data: Callable[[], AbstractContextManager[SampleReading]],
 ) -> AgreedPlan:
     """Every rank calls it; all return rank 0's plan and calibration, or raise rank 0's error.
 
@@ -132,12 +149,13 @@ def _plan_on_rank_zero(
     *,
     trainer: pl.Trainer,
     place: JobPlace,
-    reading_data: Callable[[], AbstractContextManager],
+    reading_data: Callable[[], AbstractContextManager[SampleReading]],
     together: dict[str, float],
     group: dist.ProcessGroup | None,
 ) -> AgreedPlan:
     module = trainer.lightning_module
-    sample = _model_sample(trainer, request, reading_data)
+    data = _model_sample(trainer, request, reading_data)
+    sample = data.inputs
     profile = request.profile or _profile(module, sample)
     measured = None
     if request.plan is not None:
@@ -145,7 +163,8 @@ def _plan_on_rank_zero(
     else:
         if together and sample is not None:
             measured = _calibrate(module, sample, profile, place=place, together=together, group=group, request=request)
-        chosen = _make_plan(module, request, profile=profile, place=place, costs=measured.costs if measured else None)
+        costs, replica_batch = measured.costs if measured else None, data.replica_batch
+        chosen = _make_plan(module, request, profile=profile, place=place, costs=costs, replica_batch=replica_batch)
     description = format_plan(chosen, profile)
     if measured is not None:
         description += f"\n  calibrated: {measured.describe()}"
@@ -159,30 +178,46 @@ def _plan_on_rank_zero(
 
 
 def _model_sample(
-    trainer: pl.Trainer, request: PlanRequest, reading_data: Callable[[], AbstractContextManager]
-) -> Inputs | None:
+    trainer: pl.Trainer, request: PlanRequest, reading_data: Callable[[], AbstractContextManager[SampleReading]]
+) -> DataSample:
     """One sample's inputs to the first layer (samples first) to profile and time `pipeline_layers()` on:
     `example_input_array` (a tensor, a tuple of them, or a dict batch), else one sample of the running entry point's
-    DataLoader; None without pipeline layers or with a given profile.
+    DataLoader; None without pipeline layers or with a given profile. Without a global batch, the DataLoader is read
+    for its batch size too.
 
     The random state is left as it was, so rank 0 draws the same numbers afterwards as the ranks that did not.
     """
     module = trainer.lightning_module
-    if missing_contract(module) or (request.profile is not None and not request.calibrate):
-        return None
+    if missing_contract(module):
+        return DataSample(None)
     example = module.example_input_array
-    if example is not None:
-        return dict_inputs(example) if isinstance(example, Mapping) else as_tuple(example)
+    given = request.profile is not None and not request.calibrate  # nothing to profile or time
+    inputs = None
+    if example is not None and not given:
+        inputs = dict_inputs(example) if isinstance(example, Mapping) else as_tuple(example)
+    reads_inputs = example is None and not given
+    if request.batch is not None and not reads_inputs:
+        return DataSample(inputs)
     states = _collect_rng_states()
     try:
-        with reading_data():
-            return _sample_inputs(trainer, type(module).__name__)
+        with reading_data() as reading:
+            loader = _data_loader(trainer, type(module).__name__)
+            batch = first_sample(loader)
     finally:
         _set_rng_states(states)
+    if reads_inputs:
+        inputs = prediction_inputs(batch) if trainer.state.fn == TrainerFn.PREDICTING else split_batch(batch)[0]
+    return DataSample(inputs, None if reading.asked_batch_size else _batch_size(loader))
 
 
-def _sample_inputs(trainer: pl.Trainer, model_name: str) -> Inputs:
-    """The inputs of one sample of the DataLoader the running entry point (fit, validate, test, predict) reads."""
+def _batch_size(loader: Any) -> int | None:
+    """The samples a DataLoader yields per batch, where it says (its `batch_size`, or its batch sampler's)."""
+    size = getattr(loader, "batch_size", None) or getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def _data_loader(trainer: pl.Trainer, model_name: str) -> Any:
+    """The DataLoader the running entry point (fit, validate, test, predict) reads; the first of several."""
     loop, hook = LOOPS[trainer.state.fn]
     source = getattr(trainer, loop)._data_source
     fix = (
@@ -200,8 +235,7 @@ def _sample_inputs(trainer: pl.Trainer, model_name: str) -> Inputs:
         ) from error
     while isinstance(loaders, list | tuple | dict):  # several loaders: the first one's
         loaders = next(iter(loaders.values())) if isinstance(loaders, dict) else loaders[0]
-    batch = first_sample(loaders)
-    return prediction_inputs(batch) if trainer.state.fn == TrainerFn.PREDICTING else split_batch(batch)[0]
+    return loaders
 
 
 def _profile(module: pl.LightningModule, sample: Inputs | None) -> ModelProfile:
@@ -266,8 +300,10 @@ def _make_plan(
     profile: ModelProfile,
     place: JobPlace,
     costs: MachineCosts | None,
+    replica_batch: int | None,
 ) -> Plan:
-    """The best plan for the request on this job's hardware, at the calibrated `costs` (None: the request's)."""
+    """The best plan for the request on this job's hardware, at the calibrated `costs` (None: the request's);
+    without the request's global batch, for the DataLoader's `replica_batch` per DP replica."""
     topology = place.topology
     options = replace(request.options, backend=place.backend)
     costs = costs or request.costs
@@ -279,12 +315,18 @@ def _make_plan(
         whole = replace(options, layout=LayoutKind.flat_fsdp, pp=None, dp=None, partition=PartitionRule.auto)
         found = best_plan(topology, profile, batch, options=whole, costs=costs)
         return replace(found, notes=(*found.notes, "no pipeline contract (pipeline_layers): FSDP over all ranks"))
-    if request.batch is None:
+    if request.batch is not None:
+        return best_plan(topology, profile, request.batch, options=options, costs=costs)
+    if replica_batch is None:
         raise ValueError(
-            "HolmesStrategy(global_batch=None): the planner needs the samples per optimizer step; pass "
-            "global_batch=<sequences per step over all DP replicas>"
+            "HolmesStrategy(global_batch=None): the planner needs the samples per optimizer step, and the DataLoader "
+            "does not fix them (it asks for strategy.replica_batch_size, or has no batch_size); pass "
+            "global_batch=<sequences per step over all DP replicas>, or give the DataLoader a batch_size: each DP "
+            "replica then reads one such batch per step"
         )
-    return best_plan(topology, profile, request.batch, options=options, costs=costs)
+    found = best_plan_per_replica(topology, profile, replica_batch, options=options, costs=costs)
+    note = f"global batch {found.global_batch}: the DataLoader's batch_size={replica_batch} x dp={found.dp}"
+    return replace(found, notes=(*found.notes, note))
 
 
 def step_collectives(trainer: pl.Trainer) -> int:

@@ -70,7 +70,7 @@ from holmes_lightning.runtime.groups import PlanMesh, build_mesh, nccl_world
 from holmes_lightning.runtime.hooks import report_step, step_hook
 from holmes_lightning.runtime.pipeline import HeldGradients, Pipeline, gather_replica_outputs
 from holmes_lightning.runtime.placement import choose_device, describe_emulation, host_position
-from holmes_lightning.runtime.planning import JobPlace, PlanRequest, agree_on_plan
+from holmes_lightning.runtime.planning import JobPlace, PlanRequest, SampleReading, agree_on_plan
 from holmes_lightning.runtime.sharding import clip_grad_norm_
 from holmes_lightning.runtime.ties import Tie, across_stages, find_ties
 from holmes_lightning.topology import ClusterSpec, Topology
@@ -85,7 +85,9 @@ class HolmesStrategy(ModelParallelStrategy):
         cluster: a shipped config name, a YAML path, a dict, a ClusterSpec or a Topology; None: the launched nodes,
             NIC kinds detected.
         global_batch: samples per optimizer step over all DP replicas (each replica's DataLoader gives
-            `replica_batch_size`); microbatches: per step and replica, None lets the planner choose.
+            `replica_batch_size`); None: as under DDP, each DP replica reads one batch of the DataLoader's own
+            `batch_size` per step, and the planner also chooses dp for it (global batch = batch_size x dp).
+            microbatches: per step and replica, None lets the planner choose.
         options: what to plan (`holmes_lightning.planner.PlanOptions`, as train.py and the plan CLI take it);
             schedule, partition, pp, dp, sharding, layout, activation_checkpointing override its fields (sharding
             "auto": FSDP2 unless replicas are faster; activation_checkpointing "auto": full only where no plan fits
@@ -158,7 +160,7 @@ class HolmesStrategy(ModelParallelStrategy):
         self.plan_mesh: PlanMesh | None = None
         self.pipeline: Pipeline | None = None
         self._prepared: nn.Module | None = None
-        self._reading_sample = False
+        self._reading: SampleReading | None = None  # while rank 0 reads one sample, before there is a plan
         self._gradients = HeldGradients(())
         self._ties: list[Tie] = []
         self._resumed_rng: dict[str, Any] | None = None
@@ -170,7 +172,8 @@ class HolmesStrategy(ModelParallelStrategy):
 
         1 while the strategy reads one sample of a DataLoader to profile the model, before there is a plan.
         """
-        if self._reading_sample:
+        if self._reading is not None:
+            self._reading.asked_batch_size = True
             return 1
         return self._require_plan().replica_batch
 
@@ -181,20 +184,20 @@ class HolmesStrategy(ModelParallelStrategy):
         While the strategy reads one sample of a DataLoader to profile the model, before there is a plan: one
         replica (a provisional split the DataLoader built then keeps only for that sample).
         """
-        if self._reading_sample:
+        if self._reading is not None:
             return {"num_replicas": 1, "rank": 0}
         if self.plan_mesh is None:
             raise RuntimeError(f"HolmesStrategy: the data split (DP degree) {NOT_YET}")
         return {"num_replicas": self._require_plan().dp, "rank": self.plan_mesh.dp_index}
 
     @contextmanager
-    def _reading_one_sample(self) -> Iterator[None]:
+    def _reading_one_sample(self) -> Iterator[SampleReading]:
         """While rank 0 reads one sample to profile the model: a provisional data split of one replica."""
-        self._reading_sample = True
+        self._reading = SampleReading()
         try:
-            yield
+            yield self._reading
         finally:
-            self._reading_sample = False
+            self._reading = None
 
     def _require_plan(self) -> Plan:
         if self.plan is None:
