@@ -11,7 +11,7 @@ import torch
 from torch.distributed.fsdp import fully_shard
 
 from holmes_lightning.cli.config import HFModelConfig, ModelConfig
-from holmes_lightning.cli.models import hf_causal_lm
+from holmes_lightning.cli.models import gpt, hf_causal_lm
 from holmes_lightning.measure.profile import profile_modules
 from holmes_lightning.planner import ModelProfile
 from holmes_lightning.recipes.gpt import GPT
@@ -82,16 +82,7 @@ class BenchModel:
                 return module
             sharded = type(f"FlatFSDP{type(module).__name__}", (FlatFSDP, type(module)), {})
             return sharded(module.hf_model)  # the same HF model, its layers as initialised
-        cls = type("FlatFSDPGPT", (FlatFSDP, GPT), {}) if flat_fsdp else GPT
-        model = self.gpt
-        return cls(
-            n_layers=model.n_layers,
-            d_model=model.d_model,
-            n_heads=model.n_heads,
-            seq_len=model.seq_len,
-            vocab_size=model.vocab_size,
-            dropout=model.dropout,
-        )
+        return gpt(self.gpt, type("FlatFSDPGPT", (FlatFSDP, GPT), {}) if flat_fsdp else GPT)
 
     def sample(self) -> Inputs | torch.Tensor:
         """One sequence as the first pipeline layer takes it."""

@@ -18,7 +18,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from holmes_lightning.cli.config import ConfigError, HFModelConfig, TrainConfig, error_line
+from holmes_lightning.cli.config import ConfigError, HFModelConfig, ModelConfig, TrainConfig, error_line
 from holmes_lightning.cli.targets import build_target, check_target
 from holmes_lightning.measure.profile import profile_modules
 from holmes_lightning.planner import ModelProfile
@@ -49,17 +49,25 @@ def build_model(config: TrainConfig, arguments: Mapping[str, Any]) -> L.Lightnin
     if model._target_ is not None:
         return build_target(model._target_, arguments)
     with torch.device("meta"):  # no storage yet: each rank allocates and initialises only its stage's layers
-        return GPT(
-            n_layers=model.n_layers,
-            d_model=model.d_model,
-            n_heads=model.n_heads,
-            seq_len=model.seq_len,
-            vocab_size=model.vocab_size,
-            dropout=model.dropout,
+        return gpt(
+            model,
             learning_rate=opt.learning_rate,
             warmup_steps=opt.warmup_steps,
             weight_decay=opt.weight_decay,
         )
+
+
+def gpt(model: ModelConfig, cls: type[GPT] = GPT, **hyperparameters: Any) -> GPT:
+    """The recipe's GPT (or a subclass of it) in the configured shape, on the current device."""
+    return cls(
+        n_layers=model.n_layers,
+        d_model=model.d_model,
+        n_heads=model.n_heads,
+        seq_len=model.seq_len,
+        vocab_size=model.vocab_size,
+        dropout=model.dropout,
+        **hyperparameters,
+    )
 
 
 def hf_causal_lm(model: HFModelConfig, **hyperparameters: Any) -> L.LightningModule:
