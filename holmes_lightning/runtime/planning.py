@@ -202,11 +202,11 @@ def _model_sample(
     try:
         with reading_data() as reading:
             loader = _data_loader(trainer, type(module).__name__)
-            batch = first_sample(loader)
+            if reads_inputs:  # else only the loader's batch size is wanted: no sample read
+                batch = first_sample(loader)
+                inputs = prediction_inputs(batch) if trainer.state.fn == TrainerFn.PREDICTING else split_batch(batch)[0]
     finally:
         _set_rng_states(states)
-    if reads_inputs:
-        inputs = prediction_inputs(batch) if trainer.state.fn == TrainerFn.PREDICTING else split_batch(batch)[0]
     return DataSample(inputs, None if reading.asked_batch_size else _batch_size(loader))
 
 
