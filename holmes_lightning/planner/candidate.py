@@ -24,7 +24,7 @@ class RangeCosts:
     costs depend on its speed, links, DP size and order, not on where the layout puts it."""
 
     ids: dict[tuple, int] = field(default_factory=dict)
-    values: dict[tuple, tuple[float, float, float, float] | None] = field(default_factory=dict)
+    values: dict[tuple, tuple[tuple[float, float, float, float], float] | None] = field(default_factory=dict)
 
     def stage_id(self, stage: tuple) -> int:
         return self.ids.setdefault(stage, len(self.ids))
@@ -36,8 +36,11 @@ class Candidate:
 
     Virtual stage v (`chunks` per stage, interleaved) sits on stage v % pp; counts are layers per virtual stage.
     `memory_limit`: bytes per device, None = unchecked. `shapes`: what the bounds need of the schedule's orders.
-    `checkpointing` (resolved: off, full or selective): its checkpointed layers keep only their input per micro-batch
-    and run their forward again in backward, their stash back in memory meanwhile.
+    `checkpointing`: the activation checkpointing a stage may run (resolved: off, selective, full), cheapest first;
+    each stage runs the first whose memory fits `memory_limit` (its level). Checkpointed layers keep only their input
+    per micro-batch and run their forward again in backward, their stash back in memory meanwhile.
+    `memory_ceiling`: bytes per device a stage may take at its level (None: the limit alone); lowering it looks for
+    plans that take less memory without turning on more checkpointing.
     """
 
     layout: Layout
@@ -49,7 +52,8 @@ class Candidate:
     microbatch_size: int
     memory_limit: float | None = None
     range_costs: RangeCosts = field(default_factory=lambda: RangeCosts())
-    checkpointing: Checkpointing = Checkpointing.off
+    checkpointing: tuple[Checkpointing, ...] = (Checkpointing.off,)
+    memory_ceiling: float | None = None
 
     def __post_init__(self) -> None:
         pp, layers, mb = self.layout.pp, self.cost.profile.layers, self.microbatch_size
@@ -72,18 +76,24 @@ class Candidate:
             )
             for s in range(pp)
         ]
-        rerun = self.checkpointing.recomputed(len(layers))
+        reruns = [mode.recomputed(len(layers)) for mode in self.checkpointing]
         per_speed = {}
         for speed in set(self.hardware.tflops):
             forward, backward = self.cost.microbatch_seconds(speed, mb, dp=dp, pipelined=self.pipelined)
-            backward = [b + f * again for f, b, again in zip(forward, backward, rerun, strict=True)]
-            per_speed[speed] = (_cumulative(forward), _cumulative(backward))
+            per_level = [
+                _cumulative([b + f * again for f, b, again in zip(forward, backward, rerun, strict=True)])
+                for rerun in reruns
+            ]
+            per_speed[speed] = (_cumulative(forward), per_level)
         self._forward = [per_speed[speed][0] for speed in self.hardware.tflops]
-        self._backward = [per_speed[speed][1] for speed in self.hardware.tflops]
+        self._backward = [per_speed[speed][1] for speed in self.hardware.tflops]  # [stage][level]
         self._params = _cumulative([layer.param_bytes for layer in layers])
-        kept = [self._kept_bytes(i, again) for i, again in enumerate(rerun)]
-        self._stash = _cumulative([bytes_ * mb for bytes_ in kept])
-        self._rerun = [layer.stash_bytes * mb * again for layer, again in zip(layers, rerun, strict=True)]
+        self._stash = [
+            _cumulative([self._kept_bytes(i, again) * mb for i, again in enumerate(rerun)]) for rerun in reruns
+        ]
+        self._rerun = [
+            [layer.stash_bytes * mb * again for layer, again in zip(layers, rerun, strict=True)] for rerun in reruns
+        ]
         fastest = max(self.hardware.tflops)
         forward, backward = self.cost.layer_seconds(fastest)
         self._base = _cumulative([(f + b) * mb for f, b in zip(forward, backward, strict=True)])
@@ -110,8 +120,11 @@ class Candidate:
     def forward_s(self, stage: int, start: int, stop: int) -> float:
         return self._forward[stage][stop] - self._forward[stage][start]
 
-    def backward_s(self, stage: int, start: int, stop: int) -> float:
-        return self._backward[stage][stop] - self._backward[stage][start]
+    def backward_s(self, stage: int, start: int, stop: int, level: int = 0) -> float:
+        """One micro-batch's backward through layers [start, stop) on `stage`, its forward again where `level`'s
+        checkpointing says."""
+        cumulative = self._backward[stage][level]
+        return cumulative[stop] - cumulative[start]
 
     def send_s(self, virtual_stage: int, stop: int) -> float:
         """One micro-batch's activation (or gradient) from a virtual stage ending at layer `stop` to the next one."""
@@ -141,9 +154,9 @@ class Candidate:
     def param_bytes(self, start: int, stop: int) -> float:
         return self._params[stop] - self._params[start]
 
-    def stash_bytes(self, start: int, stop: int) -> float:
-        """Activations one micro-batch leaves for the backward pass in layers [start, stop)."""
-        return self._stash[stop] - self._stash[start]
+    def stash_bytes(self, start: int, stop: int, level: int = 0) -> float:
+        """Activations one micro-batch leaves for the backward pass in layers [start, stop) at checkpointing `level`."""
+        return self._stash[level][stop] - self._stash[level][start]
 
     def sync_s(self, stage: int, param_bytes: float, layers: int) -> float:
         return self.cost.dp_sync_s(
@@ -166,44 +179,75 @@ class Candidate:
         exposed = self.exposed_sync_s(stage, param_bytes, layers, compute_s)
         return exposed + self.update_s(param_bytes, layers) + closing
 
-    def memory_bytes(self, stage: int, param_bytes: float, ranges: Sequence[tuple[int, int] | None]) -> float:
+    def memory_bytes(
+        self, stage: int, param_bytes: float, ranges: Sequence[tuple[int, int] | None], level: int = 0
+    ) -> float:
         """Peak bytes per device of a stage holding these parameters, its chunks over layer `ranges` (None, or
-        missing at the end: a chunk not placed yet, counted empty): each chunk's stash per micro-batch in flight, and
-        the largest checkpointed layer's stash while its forward runs again."""
-        per_chunk = [0.0 if r is None else self.stash_bytes(*r) for r in ranges]
-        per_chunk += [0.0] * (self.chunks - len(per_chunk))
-        stash = self.in_flight[stage] * per_chunk[0] if self.chunks == 1 else peak_stash(self.orders[stage], per_chunk)
-        rerun = max((max(self._rerun[a:b], default=0.0) for a, b in filter(None, ranges)), default=0.0)
+        missing at the end: a chunk not placed yet, counted empty), at checkpointing `level`: each chunk's stash per
+        micro-batch in flight, and the largest checkpointed layer's stash while its forward runs again."""
+        placed = [r for r in ranges if r is not None]
+        if self.chunks == 1:
+            stash = self.in_flight[stage] * sum(self.stash_bytes(a, b, level) for a, b in placed)
+        else:
+            per_chunk = [0.0 if r is None else self.stash_bytes(*r, level) for r in ranges]
+            stash = peak_stash(self.orders[stage], per_chunk + [0.0] * (self.chunks - len(per_chunk)))
+        rerun = self._rerun[level]
+        again = max((max(rerun[a:b]) for a, b in placed), default=0.0) if any(rerun) else 0.0
         return self.cost.memory_bytes(
-            param_bytes, dp=self.layout.dp, stash_bytes=stash + rerun, pipelined=self.virtual > 1
+            param_bytes, dp=self.layout.dp, stash_bytes=stash + again, pipelined=self.virtual > 1
         )
 
-    def fits(self, stage: int, param_bytes: float, ranges: Sequence[tuple[int, int] | None]) -> bool:
-        return self.memory_limit is None or self.memory_bytes(stage, param_bytes, ranges) <= self.memory_limit
+    def level(self, stage: int, param_bytes: float, ranges: Sequence[tuple[int, int] | None]) -> int | None:
+        """The checkpointing a stage holding these parameters and `ranges` runs: the first of `checkpointing` whose
+        memory fits the limit (None: none does, or that one goes over `memory_ceiling`)."""
+        found = self._level_and_memory(stage, param_bytes, ranges)
+        if found is None or not self._under_ceiling(found[1]):
+            return None
+        return found[0]
+
+    def _level_and_memory(
+        self, stage: int, param_bytes: float, ranges: Sequence[tuple[int, int] | None]
+    ) -> tuple[int, float] | None:
+        for level in range(len(self.checkpointing)):
+            memory = self.memory_bytes(stage, param_bytes, ranges, level)
+            if self.memory_limit is None or memory <= self.memory_limit:
+                return level, memory
+        return None
+
+    def _under_ceiling(self, memory: float) -> bool:
+        return self.memory_ceiling is None or memory <= self.memory_ceiling
 
     def range_cost(self, virtual_stage: int, start: int, stop: int) -> tuple[float, float, float, float] | None:
         """(forward, backward, send, tail) seconds of one virtual stage alone; None if it alone exceeds memory.
 
         With several chunks per stage the tail depends on all of them, so it counts as 0 here (a lower bound). Kept in
-        `range_costs` by what they depend on, which candidates of one cost model and micro-batch size may share.
+        `range_costs` by what they depend on, which candidates of one cost model and micro-batch size may share
+        whatever their memory ceiling (kept with the range's memory, the ceiling applied here).
         """
         stage, chunk = locate_virtual(virtual_stage, self.layout.pp)
         key = (self._stage_ids[stage], chunk, virtual_stage == self.virtual - 1, start, stop)
         values = self.range_costs.values
         if key not in values:
             values[key] = self._range_cost(virtual_stage, start, stop)
-        return values[key]
+        found = values[key]
+        if found is None or not self._under_ceiling(found[1]):
+            return None
+        return found[0]
 
-    def _range_cost(self, virtual_stage: int, start: int, stop: int) -> tuple[float, float, float, float] | None:
+    def _range_cost(
+        self, virtual_stage: int, start: int, stop: int
+    ) -> tuple[tuple[float, float, float, float], float] | None:
         stage, chunk = locate_virtual(virtual_stage, self.layout.pp)
         params = self.param_bytes(start, stop)
         ranges: list[tuple[int, int] | None] = [None] * self.chunks
         ranges[chunk] = (start, stop)
-        if not self.fits(stage, params, ranges):
+        found = self._level_and_memory(stage, params, ranges)
+        if found is None:
             return None
-        forward, backward = self.forward_s(stage, start, stop), self.backward_s(stage, start, stop)
+        level, memory = found
+        forward, backward = self.forward_s(stage, start, stop), self.backward_s(stage, start, stop, level)
         tail = self.tail_s(stage, params, stop - start, forward + backward) if self.chunks == 1 else 0.0
-        return forward, backward, self.send_s(virtual_stage, stop), tail
+        return (forward, backward, self.send_s(virtual_stage, stop), tail), memory
 
     def bounds_of(self, counts: Sequence[int]) -> list[tuple[int, int]]:
         """Layer range [start, stop) of every virtual stage."""
@@ -213,22 +257,36 @@ class Candidate:
             start += count
         return ranges
 
+    def stage_levels(self, counts: Sequence[int]) -> list[tuple[int, float] | None]:
+        """Per stage, for layers per virtual stage `counts`: its checkpointing level and memory at it, the memory
+        ceiling aside (None: it fits the limit at no level)."""
+        pp, ranges = self.layout.pp, self.bounds_of(counts)
+        owned = [[ranges[k] for k in virtual_stages(s, self.chunks, pp)] for s in range(pp)]
+        return [
+            self._level_and_memory(s, sum(self.param_bytes(*own) for own in ranges), ranges)
+            for s, ranges in enumerate(owned)
+        ]
+
     def step_s(self, counts: Sequence[int]) -> float | None:
-        """The simulated step of layers per virtual stage `counts` (None: a stage exceeds the memory limit)."""
+        """The simulated step of layers per virtual stage `counts` (None: a stage exceeds the memory limit or
+        ceiling)."""
         pp, chunks = self.layout.pp, self.chunks
+        found = self.stage_levels(counts)
+        if any(entry is None or not self._under_ceiling(entry[1]) for entry in found):
+            return None
+        levels = [entry[0] for entry in found if entry is not None]
         ranges = self.bounds_of(counts)
         stage_of = [locate_virtual(v, pp)[0] for v in range(self.virtual)]
         forward = [self.forward_s(stage_of[v], a, b) + self.message_cpu_s(v) for v, (a, b) in enumerate(ranges)]
         backward = [
-            self.backward_s(stage_of[v], a, b) + self.message_cpu_s(v, backward=True) for v, (a, b) in enumerate(ranges)
+            self.backward_s(stage_of[v], a, b, levels[stage_of[v]]) + self.message_cpu_s(v, backward=True)
+            for v, (a, b) in enumerate(ranges)
         ]
         send = [self.send_s(v, b) for v, (_, b) in enumerate(ranges)]
         tails = []
         for s in range(pp):
             own = virtual_stages(s, chunks, pp)
             params = sum(self.param_bytes(*ranges[k]) for k in own)
-            if not self.fits(s, params, [ranges[k] for k in own]):
-                return None
             layers = sum(b - a for a, b in (ranges[k] for k in own))
             tails.append(self.tail_s(s, params, layers, sum(forward[k] + backward[k] for k in own)))
         early = [self.early_s(v, b) for v, (_, b) in enumerate(ranges)]
@@ -237,16 +295,20 @@ class Candidate:
     def stage_plans(self, counts: Sequence[int]) -> list[StagePlan]:
         """Exact per-chunk seconds, transfers, syncs and memory for layers per virtual stage `counts`."""
         pp, dp = self.layout.pp, self.layout.dp
-        ranges = self.bounds_of(counts)
+        ranges, most = self.bounds_of(counts), len(self.checkpointing) - 1  # a stage that fits nowhere: its least
+        levels = [most if entry is None else entry[0] for entry in self.stage_levels(counts)]
         plans = []
         for s, group in enumerate(self.layout.stages):
+            level = levels[s]
             virtual = virtual_stages(s, self.chunks, pp)
             own = tuple(ranges[k] for k in virtual)
             placed = list(zip(virtual, own, strict=True))
             outs = [(k, b) for k, (_, b) in placed]  # sends
             link, dp_link = self.hardware.send_links[s], self.hardware.dp_links[s]
             forward = tuple(self.forward_s(s, a, b) + self.message_cpu_s(k) for k, (a, b) in placed)
-            backward = tuple(self.backward_s(s, a, b) + self.message_cpu_s(k, backward=True) for k, (a, b) in placed)
+            backward = tuple(
+                self.backward_s(s, a, b, level) + self.message_cpu_s(k, backward=True) for k, (a, b) in placed
+            )
             params = sum(self.param_bytes(a, b) for a, b in own)
             layers = sum(b - a for a, b in own)
             plans.append(
@@ -269,8 +331,8 @@ class Candidate:
                     exposed_sync_s=self.exposed_sync_s(s, params, layers, sum(forward) + sum(backward)),
                     update_s=self.update_s(params, layers),
                     closing_s=self.cost.step_collective_s(pp * dp) if self.pipelined else 0.0,
-                    memory_gb=self.memory_bytes(s, params, own) / GB,
-                    checkpointing=self.checkpointing,
+                    memory_gb=self.memory_bytes(s, params, own, level) / GB,
+                    checkpointing=self.checkpointing[level],
                 )
             )
         return plans

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from holmes_lightning.planner.candidate import GB, Candidate, RangeCosts, predict_step
@@ -30,8 +31,11 @@ from holmes_lightning.planner.partition import split_chunks, uniform_partition
 from holmes_lightning.planner.plan_types import Plan, StagePlan
 from holmes_lightning.planner.profile import ModelProfile
 from holmes_lightning.planner.schedules import microbatch_problem
-from holmes_lightning.planner.search import SearchStats, search
+from holmes_lightning.planner.search import Found, SearchStats, search
 from holmes_lightning.topology import Topology
+
+STEP_TOLERANCE = 0.02  # plans predicted this much slower than the fastest count as fast: the least memory wins
+MEMORY_RESOLUTION = 0.01  # the least memory is found to this share of the fastest plan's peak
 
 
 class PlanError(ValueError):
@@ -66,7 +70,8 @@ def best_plan(
 
     Candidates are every layout (NIC group order and DP size), micro-batch count and sharding the options allow;
     `search.search` finds the best split of each that could beat the best so far. Ties go to FSDP, then fewer DP
-    ranks, config order, fewer micro-batches.
+    ranks, config order, fewer micro-batches. Of the plans predicted within `STEP_TOLERANCE` of the fastest, the one
+    taking the least memory per device wins (`_least_memory`).
     """
     options = options or PlanOptions()
     costs = costs or MachineCosts()
@@ -78,46 +83,104 @@ def best_plan(
     hardware = [StageHardware.of(topology, layout) for layout in layouts]
     stats.layouts += len(layouts)
     shardings = (Sharding.fsdp, Sharding.none) if options.sharding is Sharding.auto else (options.sharding,)
-    candidates = []
+    settings = []
+    for i, sharding in enumerate(shardings):  # FSDP first: replicas win only when strictly faster
+        cost = cost_model(topology, profile, options=options, costs=costs, sharding=sharding)
+        for j, (layout, stage_hardware) in enumerate(zip(layouts, hardware, strict=True)):
+            if options.sharding is Sharding.auto and _dominated(sharding, layout, options, costs):
+                continue
+            for k, microbatches in enumerate(_microbatch_counts(layout, profile, batch, options, problems)):
+                settings.append(((i, j, k), layout, stage_hardware, replace(cost, rdma=layout.rdma), microbatches))
+    checkpointing = checkpointing_choices(options, limited=limit is not None)
+
     shared: dict[tuple, RangeCosts] = {}
-    for a, checkpointing in enumerate(_checkpointing(options, limited=limit is not None)):  # off first
-        for i, sharding in enumerate(shardings):  # FSDP first: replicas win only when strictly faster
-            cost = cost_model(topology, profile, options=options, costs=costs, sharding=sharding)
-            for j, (layout, stage_hardware) in enumerate(zip(layouts, hardware, strict=True)):
-                if options.sharding is Sharding.auto and _dominated(sharding, layout, options, costs):
-                    continue
-                for k, microbatches in enumerate(_microbatch_counts(layout, profile, batch, options, problems)):
-                    microbatch_size = batch.global_batch // layout.dp // microbatches
-                    candidate = Candidate(
-                        layout=layout,
-                        hardware=stage_hardware,
-                        cost=replace(cost, rdma=layout.rdma),
-                        schedule=options.schedule,
-                        chunks=options.chunks,
-                        microbatches=microbatches,
-                        microbatch_size=microbatch_size,
-                        memory_limit=limit,
-                        range_costs=shared.setdefault((checkpointing, sharding, microbatch_size), RangeCosts()),
-                        checkpointing=checkpointing,
-                    )
-                    candidates.append(((a, i, j, k), candidate))
+
+    def candidates(
+        ceiling: float | None, only: Callable[[tuple[int, ...]], bool] = lambda _: True
+    ) -> list[tuple[tuple[int, ...], Candidate]]:
+        """The candidates whose preference is `only`, a stage's memory at most `ceiling` (None: the limit alone)."""
+        listed = []
+        for preference, layout, stage_hardware, cost, microbatches in filter(lambda s: only(s[0]), settings):
+            microbatch_size = batch.global_batch // layout.dp // microbatches
+            candidate = Candidate(
+                layout=layout,
+                hardware=stage_hardware,
+                cost=cost,
+                schedule=options.schedule,
+                chunks=options.chunks,
+                microbatches=microbatches,
+                microbatch_size=microbatch_size,
+                memory_limit=limit,
+                range_costs=shared.setdefault((cost.sharding, microbatch_size), RangeCosts()),
+                checkpointing=checkpointing,
+                memory_ceiling=ceiling,
+            )
+            listed.append((preference, candidate))
+        return listed
 
     def infeasible(candidate: Candidate, counts: tuple[int, ...] | None) -> None:
         problems.append(_memory_problem(candidate, counts, bound))
 
-    best = search(candidates, lambda candidate: _fixed_counts(options, candidate), stats, infeasible)
-    if best is None:
+    def fixed(candidate: Candidate) -> tuple[int, ...] | None:
+        return _fixed_counts(options, candidate)
+
+    lower: dict[tuple[int, ...], float] = {}
+    fastest = search(candidates(None), fixed, stats, infeasible, lower=lower, slack=STEP_TOLERANCE)
+    if fastest is None:
         reasons = "\n  ".join(dict.fromkeys(problems)) or "no layout fits"
         raise PlanError(f"no feasible plan for {topology.name!r} and {profile.name!r}:\n  {reasons}")
-    return _as_plan(best.candidate, best.counts, options, bound)
+    slowest = fastest.step_s * (1 + STEP_TOLERANCE)
+    chosen = _least_memory(fastest, lambda ceiling: candidates(ceiling, lambda p: lower[p] < slowest), fixed, stats)
+    more = () if chosen is fastest else (_memory_note(chosen, fastest),)
+    return _as_plan(chosen.candidate, chosen.counts, options, bound, more)
 
 
-def _checkpointing(options: PlanOptions, *, limited: bool) -> tuple[Checkpointing, ...]:
-    """The activation checkpointing each candidate may run: `auto` tries full only under a memory limit (without one,
-    keeping activations is never slower)."""
+def _least_memory(
+    fastest: Found,
+    candidates: Callable[[float | None], list[tuple[tuple[int, ...], Candidate]]],
+    fixed: Callable[[Candidate], tuple[int, ...] | None],
+    stats: SearchStats,
+) -> Found:
+    """Of the plans predicted within `STEP_TOLERANCE` of `fastest`, one taking the least peak memory per device (to
+    `MEMORY_RESOLUTION` of `fastest`'s): a bisection on a memory ceiling, each step a search under that step.
+    `candidates(ceiling)`: those that may have a plan that fast (their bound from the first search says so).
+
+    The ceiling never turns on more activation checkpointing than the memory limit needs; it only rules plans out.
+    """
+    peak = _peak_bytes(fastest)
+    slowest = fastest.step_s * (1 + STEP_TOLERANCE)
+    chosen, low, high = fastest, 0.0, peak
+    while high - low > MEMORY_RESOLUTION * peak:
+        stats.memory_searches += 1
+        middle = (low + high) / 2
+        found = search(candidates(middle), fixed, stats, lambda *_: None, ceiling=slowest)
+        if found is None:
+            low = middle
+        else:
+            chosen, high = found, _peak_bytes(found)
+    return chosen
+
+
+def _peak_bytes(found: Found) -> float:
+    return max(stage.memory_gb for stage in found.candidate.stage_plans(found.counts)) * GB
+
+
+def _memory_note(chosen: Found, fastest: Found) -> str:
+    return (
+        f"chosen for memory: {_peak_bytes(chosen) / GB:.3g} GB per device instead of the fastest plan's "
+        f"{_peak_bytes(fastest) / GB:.3g} GB, for a step {chosen.step_s / fastest.step_s - 1:.1%} longer (plans within "
+        f"{STEP_TOLERANCE:.0%} of the fastest count as fast)"
+    )
+
+
+def checkpointing_choices(options: PlanOptions, *, limited: bool) -> tuple[Checkpointing, ...]:
+    """The activation checkpointing a stage may run, cheapest first (each stage takes the first that fits): `auto`
+    adds selective and full only under a memory limit (without one, keeping activations is never slower)."""
     if options.activation_checkpointing is not Checkpointing.auto:
         return (options.activation_checkpointing,)
-    return (Checkpointing.off, Checkpointing.full) if limited else (Checkpointing.off,)
+    if not limited:
+        return (Checkpointing.off,)
+    return (Checkpointing.off, Checkpointing.selective, Checkpointing.full)
 
 
 def _dominated(sharding: Sharding, layout: Layout, options: PlanOptions, costs: MachineCosts) -> bool:
@@ -175,7 +238,9 @@ def _fixed_counts(options: PlanOptions, candidate: Candidate) -> tuple[int, ...]
     return counts if len(counts) == pp * chunks else split_chunks(counts, chunks)
 
 
-def _as_plan(candidate: Candidate, counts: tuple[int, ...], options: PlanOptions, bound: str) -> Plan:
+def _as_plan(
+    candidate: Candidate, counts: tuple[int, ...], options: PlanOptions, bound: str, more: tuple[str, ...] = ()
+) -> Plan:
     stages = candidate.stage_plans(counts)
     layout = candidate.layout
     return Plan(
@@ -186,7 +251,7 @@ def _as_plan(candidate: Candidate, counts: tuple[int, ...], options: PlanOptions
         microbatch_size=candidate.microbatch_size,
         prediction=candidate.predict(stages),
         num_layers=candidate.num_layers,
-        notes=_notes(layout, stages, options, bound),
+        notes=_notes(layout, stages, options, bound) + more,
         partition=options.partition.value if isinstance(options.partition, PartitionRule) else "explicit",
         sharding=candidate.cost.sharding,
         tokens_per_sample=candidate.cost.profile.tokens_per_sample,
@@ -445,12 +510,13 @@ def _microbatch_counts(
 
 def _notes(layout: Layout, stages: list[StagePlan], options: PlanOptions, bound: str) -> tuple[str, ...]:
     notes = []
-    checkpointed = stages[0].checkpointing
-    if options.activation_checkpointing is Checkpointing.auto and checkpointed is not Checkpointing.off:
-        notes.append(
-            f"activation checkpointing turned on ({checkpointed}): no plan keeps every activation within {bound} "
-            f"per device"
-        )
+    turned: dict[Checkpointing, list[int]] = {}
+    for stage in stages:
+        if stage.checkpointing is not Checkpointing.off:
+            turned.setdefault(stage.checkpointing, []).append(stage.index)
+    if options.activation_checkpointing is Checkpointing.auto and turned:
+        where = "; ".join(f"{mode} on stages {indices}" for mode, indices in turned.items())
+        notes.append(f"activation checkpointing turned on where keeping every activation exceeds {bound}: {where}")
     if not layout.rdma:
         notes.append("IB and RoCE share this job's communicators, so every one of them runs on TCP sockets")
     mixed = [s.index for s in stages if s.mixes_fabrics]

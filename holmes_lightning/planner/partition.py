@@ -10,6 +10,10 @@ Virtual stages are assigned layers front to back. A partial split's lower bound 
   the stages that still get some (`bounds.water_level_s`);
 - the suffix tables' bound for the layers left (`bounds.SuffixBounds`).
 
+A virtual stage's backward is costed at the checkpointing its stage needs for the chunks assigned so far
+(`Candidate.level`); later chunks can only raise that level, so the bounds hold, and a finished split with several
+chunks per stage is simulated at its final levels.
+
 A branch whose bound cannot beat `bar` is cut; every split that survives to the end is simulated
 (`Candidate.step_s`). So the split returned has the least simulated step, or none if no split gets below `bar`.
 """
@@ -177,13 +181,14 @@ class _Search:
         """Virtual stage v holding layers [start, stop) (None: its stage goes over the memory limit)."""
         c, pp, chunks, m = self.candidate, self.pp, self.chunks, self.m
         stage, chunk = locate_virtual(v, pp)
-        forward, backward = c.forward_s(stage, start, stop), c.backward_s(stage, start, stop)
-        send = c.send_s(v, stop)
         earlier = range(stage, v, pp)
         ranges = [(path.start(u), path.stops[u]) for u in earlier] + [(start, stop)]
         params = sum(c.param_bytes(a, b) for a, b in ranges)
-        if not c.fits(stage, params, ranges):
+        level = c.level(stage, params, ranges)
+        if level is None:
             return None
+        forward, backward = c.forward_s(stage, start, stop), c.backward_s(stage, start, stop, level)
+        send = c.send_s(v, stop)
         work = sum(path.forward[u] + path.backward[u] for u in earlier) + forward + backward
         tail, ends = None, 0.0
         if chunk == chunks - 1:  # the stage is complete: its tail follows its last action, chunk 0's last backward
@@ -256,9 +261,12 @@ class _Search:
         counts = tuple(path.stops[u] - path.start(u) for u in range(self.virtual))
         tails = [path.tails[s] for s in range(self.pp)]
         c = self.candidate
-        early = [c.early_s(v, path.stops[v]) for v in range(self.virtual)]
-        step = c.replay.step_s(path.forward, path.backward, path.send, tails, c.sharing, early, c.buffered)
+        if self.chunks > 1 and len(c.checkpointing) > 1:  # a stage's later chunks may have raised its level
+            step = c.step_s(counts)
+        else:
+            early = [c.early_s(v, path.stops[v]) for v in range(self.virtual)]
+            step = c.replay.step_s(path.forward, path.backward, path.send, tails, c.sharing, early, c.buffered)
         self.stats.simulated += 1
-        if step < self.bar:
+        if step is not None and step < self.bar:
             self.best = (counts, step)
             self.bar = step * (1 - 1e-9)

@@ -17,7 +17,7 @@ def format_plan(plan: Plan, profile: ModelProfile) -> str:
     lines += [f"    stage {stage.index}: {_ranks(stage.ranks)}" for stage in plan.stages]
     header = (
         f"  {'stage':<6}{'cluster/nic':<20}{'TFLOPS':>7}  {'layers':<34}{'DP group link':<22}"
-        f"{'to next':<17}{'fwd+bwd/mb':>11}{'sync':>9}{'exposed':>9}{'mem GB':>8}"
+        f"{'to next':<17}{'fwd+bwd/mb':>11}{'sync':>9}{'exposed':>9}{'mem GB':>8}  act. checkpointing"
     )
     lines += ["", header]
     for stage in plan.stages:
@@ -32,7 +32,7 @@ def format_plan(plan: Plan, profile: ModelProfile) -> str:
         lines.append(
             f"  {stage.index:<6}{fabric_label(stage):<20}{stage.device_tflops:>7g}  {layers:<34}"
             f"{dp_link:<22}{send:<17}{_ms(compute):>11}{_ms(stage.sync_s):>9}{_ms(stage.exposed_sync_s):>9}"
-            f"{stage.memory_gb:>8.1f}"
+            f"{stage.memory_gb:>8.1f}  {stage.checkpointing.value}"
         )
     lines += [
         "",

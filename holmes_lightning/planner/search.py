@@ -38,6 +38,7 @@ class SearchStats:
     cut_quick: int = 0
     cut_tables: int = 0
     searched: int = 0
+    memory_searches: int = 0
     partitions: PartitionStats = field(default_factory=PartitionStats)
 
     def summary(self) -> str:
@@ -51,6 +52,8 @@ class SearchStats:
                 f"busiest stage's share), {self.cut_tables} by the least bound over all their splits",
                 f"  split searches: {self.searched}; partial splits visited {p.nodes}, branches cut by their bound "
                 f"{p.cut}, ranges over the memory limit {p.too_big}, whole splits simulated {p.simulated}",
+                f"  less memory: {self.memory_searches} searches under a memory ceiling, each for a plan within the "
+                f"step tolerance of the fastest",
             ]
         )
 
@@ -74,17 +77,24 @@ def search(
     fixed: Callable[[Candidate], tuple[int, ...] | None],
     stats: SearchStats,
     infeasible: Callable[[Candidate, tuple[int, ...] | None], None],
+    ceiling: float = math.inf,
+    lower: dict[tuple[int, ...], float] | None = None,
+    slack: float = 0.0,
 ) -> Found | None:
-    """The best (candidate, split) of `candidates` (preference, candidate); `fixed`: the requested split, if any.
+    """The best (candidate, split) of `candidates` (preference, candidate) with a step under `ceiling`; `fixed`: the
+    requested split, if any.
 
     `infeasible(candidate, counts)` is told of every candidate whose split (None: every split) exceeds memory.
+    `lower`, if given, gets per preference a lower bound on the candidate's step that holds for every split within
+    `slack` (a share) of the best plan's step; the tables are built that much looser to give it.
     """
     stats.candidates += len(candidates)
     best: Found | None = None
+    lower = {} if lower is None else lower
 
     def offer(preference: tuple[int, ...], candidate: Candidate, counts: tuple[int, ...], step: float) -> None:
         nonlocal best
-        if step < (best.bar(preference) if best else math.inf):
+        if step < (best.bar(preference) if best else ceiling):
             best = Found(step, preference, candidate, counts)
 
     for preference, candidate in candidates:
@@ -95,16 +105,19 @@ def search(
             offer(preference, candidate, counts, step)
         elif fixed(candidate) is not None:
             infeasible(candidate, counts)
+        if fixed(candidate) is not None:
+            lower[preference] = math.inf if step is None else step
     if any(fixed(candidate) is not None for _, candidate in candidates):
         return best
     survivors = []
     for bound, preference, candidate in sorted((quick_bound(c), p, c) for p, c in candidates):
-        bar = best.bar(preference) if best else math.inf
+        lower[preference] = bound
+        bar = best.bar(preference) if best else ceiling
         if bound * (1 - ROUNDING) >= bar:
             stats.cut_quick += 1
             continue
-        tables = suffix_bounds(candidate, bar)
-        root = max(tables.root_s, bound)
+        tables = suffix_bounds(candidate, bar * (1 + slack))
+        root = lower[preference] = max(tables.root_s, bound)
         if tables.root_s == math.inf and bar == math.inf:
             infeasible(candidate, None)
         if root * (1 - ROUNDING) >= bar:
@@ -112,7 +125,7 @@ def search(
             continue
         survivors.append((root, preference, candidate, tables))
     for root, preference, candidate, tables in sorted(survivors, key=lambda entry: entry[:2]):
-        bar = best.bar(preference) if best else math.inf
+        bar = best.bar(preference) if best else ceiling
         if root * (1 - ROUNDING) >= bar:
             stats.cut_tables += 1
             continue
