@@ -31,8 +31,8 @@ def test_cli_prints_the_plan_and_the_alternatives_and_draws_them(tmp_path, capsy
         "stage 0: 0, 1",
         "A/infiniband",
         "B/roce",
-        "rdma 200 Gb/s",
-        "tcp 100 Gb/s",
+        "rdma 180 Gb/s",  # 0.9 of InfiniBand's 200 Gb/s line rate
+        "tcp 40 Gb/s",  # 0.4 of the 100 Gb/s Ethernet for NCCL over sockets
         "embedding..block17",
         "nic_unaware",
         "flat_fsdp",

@@ -53,8 +53,9 @@ def test_two_cluster_mixed_matches_the_paper_setting():
         ("A", NICKind.infiniband, (0, 1)),
         ("B", NICKind.roce, (2, 3)),
     ]
-    assert topology.link(0, 1).kind is LinkKind.RDMA and topology.link(0, 1).gbps == 200
-    assert topology.link(1, 2).kind is LinkKind.TCP and topology.link(1, 2).gbps == 100
+    assert topology.link(0, 1).kind is LinkKind.RDMA and topology.link(0, 1).line_gbps == 200
+    assert topology.link(0, 1).gbps == pytest.approx(200 * 0.9)  # what RDMA delivers of its line rate
+    assert topology.link(1, 2).kind is LinkKind.TCP and topology.link(1, 2).line_gbps == 100
     assert topology.link(0, 1, rdma=False).kind is LinkKind.TCP
     summary = str(topology)
     for word in ("A-node0", "infiniband", "roce", "rdma", "tcp"):
@@ -90,7 +91,7 @@ def test_sources_agree(tmp_path: Path):
 def test_homogeneous_limit_sets_every_link_to_the_fastest_nic():
     topology = Topology.from_config("three_cluster").homogeneous()
     speeds = {topology.link(a, b).gbps for a in range(8) for b in range(8) if a != b}
-    assert speeds == {400}
+    assert speeds == {400 * 0.9}  # every link as InfiniBand delivers it, between clusters too
 
 
 def test_measured_bandwidths_replace_configured(tmp_path: Path):
@@ -98,7 +99,16 @@ def test_measured_bandwidths_replace_configured(tmp_path: Path):
     measured.write_text('{"links": {"rdma:A": 180.5, "inter_cluster": 42}}')
     topology = Topology.from_config("two_cluster_mixed", measured=str(measured))
     assert topology.link(0, 1).gbps == 180.5 and topology.link(0, 2).gbps == 42
-    assert topology.link(2, 3).gbps == 200
+    assert topology.link(0, 1).line_gbps is None  # measured: what was delivered, no efficiency applied
+    assert topology.link(2, 3).gbps == pytest.approx(180.0) and topology.link(2, 3).line_gbps == 200
+
+
+def test_each_transport_delivers_its_share_of_line_rate_unless_measured():
+    topology = Topology.from_config("two_cluster_mixed", transport_efficiency={"tcp": 0.3})
+    assert topology.link(0, 2).gbps == pytest.approx(30) and topology.link(0, 2).line_gbps == 100
+    assert topology.link(0, 1).gbps == pytest.approx(180)  # the others keep their defaults
+    with pytest.raises(TopologyError, match=r"cluster.transport_efficiency.tcp=1.5: .* in \(0, 1\]"):
+        Topology.from_config("two_cluster_mixed", transport_efficiency={"tcp": 1.5})
 
 
 def _multisite(pairs=None, gbps=10):
@@ -206,9 +216,10 @@ def test_inter_cluster_speed_per_pair_of_clusters(tmp_path: Path):
     topology = Topology.from_config(_multisite())
     a, b, c = 0, 2, 4  # a rank of each cluster
     assert topology.link(a, b) == topology.link(b, a) == Topology.from_config(_multisite()).link(a, b)
-    assert (topology.link(a, b).gbps, topology.link(b, c).gbps, topology.link(a, c).gbps) == (100, 25, 10)
+    lines = (topology.link(a, b).line_gbps, topology.link(b, c).line_gbps, topology.link(a, c).line_gbps)
+    assert lines == (100, 25, 10)
     assert topology.link(a, b).kind is LinkKind.TCP
-    assert topology.link(0, 1, rdma=False).gbps == 10, "TCP forced inside a cluster runs on the default Ethernet"
+    assert topology.link(0, 1, rdma=False).line_gbps == 10, "TCP forced inside a cluster runs on the default Ethernet"
     assert [str(topology.link_class(*pair)) for pair in ((a, b), (c, b), (a, c), (0, 1))] == [
         "inter_cluster:A<->B",
         "inter_cluster:B<->C",
@@ -220,15 +231,15 @@ def test_inter_cluster_speed_per_pair_of_clusters(tmp_path: Path):
     summary = str(topology)
     for text in ("inter_cluster:A<->B", "A<->C", "100 Gb/s", "25 Gb/s", "10 Gb/s"):
         assert text in summary
-    assert topology.slowest_link((a, b, c)).gbps == 10
-    assert topology.slowest_link((0, 1, b)).gbps == 100
+    assert topology.slowest_link((a, b, c)).line_gbps == 10
+    assert topology.slowest_link((0, 1, b)).line_gbps == 100
     spec = ClusterSpec(
         name="typed",
         clusters=[ClusterGroupSpec(name=n, nic=NICSpec("roce", 200)) for n in "XY"],
         inter_cluster=InterClusterSpec(50, [ClusterPairSpec(["Y", "X"], 20)]),
     )
-    assert Topology(spec).link(0, 1).gbps == 20
-    assert Topology(replace(spec, inter_cluster=spec.inter_cluster.scaled(0.5))).link(0, 1).gbps == 10
+    assert Topology(spec).link(0, 1).line_gbps == 20
+    assert Topology(replace(spec, inter_cluster=spec.inter_cluster.scaled(0.5))).link(0, 1).line_gbps == 10
     measured = tmp_path / "probe.json"
     measured.write_text('{"links": {"inter_cluster:A<->B": 60, "inter_cluster": 7}}')
     probed = Topology.from_config(_multisite() | {"measured": str(measured)})

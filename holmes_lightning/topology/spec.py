@@ -78,6 +78,22 @@ class InterClusterSpec:
 
 
 @dataclass
+class TransportEfficiencySpec:
+    """The share of a configured line rate each transport delivers to NCCL's collectives and messages, for links no
+    probe measured (a measured speed is what was delivered, and replaces it).
+
+    `rdma`: InfiniBand and RoCE reach about 90% of line rate (nccl-tests bus bandwidth, e.g. ~24 GB/s on 200 Gb/s
+    HDR/NDR200 ports). `tcp`: NCCL over TCP sockets reaches 32-48 Gb/s on 100 GbE (nccl-tests with
+    NCCL_SOCKET_NTHREADS x NCCL_NSOCKS_PERTHREAD tuned), hence 0.4. `intra_node`: NVLink/PCIe as configured (give
+    `intra_node.gbps` as nccl-tests measures it).
+    """
+
+    intra_node: float = 1.0
+    rdma: float = 0.9
+    tcp: float = 0.4
+
+
+@dataclass
 class ClusterGroupSpec:
     """One cluster: nodes of one NIC kind. `devices_per_node` / `device_tflops` default to the top-level values."""
 
@@ -99,4 +115,5 @@ class ClusterSpec:
     device_tflops: float = 312.0
     intra_node: LinkSpec = field(default_factory=lambda: LinkSpec(gbps=2400.0))
     inter_cluster: InterClusterSpec = field(default_factory=InterClusterSpec)
+    transport_efficiency: TransportEfficiencySpec = field(default_factory=TransportEfficiencySpec)
     measured: str | None = None

@@ -84,8 +84,12 @@ TRANSPORT_ORDER = {LinkKind.TCP: 0, LinkKind.RDMA: 1, LinkKind.INTRA_NODE: 2}  #
 
 @dataclass(frozen=True)
 class Link:
+    """A link's transport and the Gb/s it delivers; `line_gbps`: the configured line rate that derives from (None:
+    measured)."""
+
     kind: LinkKind
     gbps: float
+    line_gbps: float | None = None
 
     @property
     def bytes_per_s(self) -> float:
@@ -245,11 +249,17 @@ class Topology:
         if measured is not None:
             return Link(link_class.kind, measured)
         if link_class.scope is LinkScope.intra_node:
-            return Link(link_class.kind, self.spec.intra_node.gbps)
-        if link_class.scope is LinkScope.fabric:
-            return Link(link_class.kind, self._cluster_gbps[link_class.clusters[0]])
-        configured = self._pair_gbps.get(frozenset(link_class.clusters), self.spec.inter_cluster.gbps)
-        return Link(link_class.kind, min(configured, *(self._cluster_gbps[c] for c in link_class.clusters)))
+            line = self.spec.intra_node.gbps
+        elif link_class.scope is LinkScope.fabric:
+            line = self._cluster_gbps[link_class.clusters[0]]
+        else:
+            configured = self._pair_gbps.get(frozenset(link_class.clusters), self.spec.inter_cluster.gbps)
+            line = min(configured, *(self._cluster_gbps[c] for c in link_class.clusters))
+        return Link(link_class.kind, line * self.transport_efficiency(link_class.kind), line)
+
+    def transport_efficiency(self, kind: LinkKind) -> float:
+        """The share of its configured line rate a link of this transport delivers (`cluster.transport_efficiency`)."""
+        return getattr(self.spec.transport_efficiency, kind.value)
 
     def cluster_link(self, a: str, b: str, rdma: bool = True) -> Link:
         """The link between a node of cluster `a` and another node of cluster `b` (`a == b`: inside its fabric)."""
@@ -261,7 +271,7 @@ class Topology:
         Computed per node and cluster present, not per pair of ranks; on equal speed a TCP hop wins.
         """
         if len(ranks) < 2:
-            return Link(LinkKind.INTRA_NODE, self.spec.intra_node.gbps)
+            return self.link_of(LinkClass(LinkScope.intra_node, LinkKind.INTRA_NODE))
         per_node: dict[int, int] = {}
         for rank in ranks:
             node = self.ranks[rank].node
@@ -309,12 +319,18 @@ class Topology:
             )
 
     def homogeneous(self) -> Topology:
-        """The same machines with every inter-node link at the fastest NIC's speed: the limit Holmes approaches."""
+        """The same machines with every inter-node link at the fastest NIC's speed, delivered as its transport does
+        (between clusters too): the limit Holmes approaches."""
         fastest = max(node.nic_gbps for node in self.nodes)
         best_kind = max(self.nodes, key=lambda node: (node.nic.is_rdma, node.nic_gbps)).nic
         groups = [replace(g, nic=replace(g.nic, kind=best_kind, gbps=fastest)) for g in self.spec.clusters]
+        delivered = self.transport_efficiency(LinkKind.RDMA if best_kind.is_rdma else LinkKind.TCP)
         spec = replace(
-            self.spec, name=f"{self.name}_homogeneous", clusters=groups, inter_cluster=InterClusterSpec(fastest)
+            self.spec,
+            name=f"{self.name}_homogeneous",
+            clusters=groups,
+            inter_cluster=InterClusterSpec(fastest),
+            transport_efficiency=replace(self.spec.transport_efficiency, tcp=delivered),
         )
         return Topology(spec)
 
@@ -343,12 +359,16 @@ class Topology:
         lines.append("  NIC groups (DP/sharding groups stay inside one):")
         for group in self.nic_groups():
             lines.append(f"    {group.cluster}/{group.nic.value}: ranks {list(group.ranks)} at {group.gbps:g} Gb/s")
-        lines.append(f"  links:  {'class (key of measured files)':<30}{'between':<14}{'transport':<11}{'speed':>13}")
+        lines.append(
+            f"  links:  {'class (key of measured files)':<30}{'between':<14}{'transport':<11}{'delivers':>13}"
+            f"  {'of':<16}"
+        )
         for link_class, example in self._link_classes():
             link = self.link_of(link_class)
             ends = "<->".join(link_class.clusters) if link_class.scope is LinkScope.inter_cluster else ""
+            source = "measured" if link.line_gbps is None else f"{link.line_gbps:g} Gb/s line"
             lines.append(
-                f"          {link_class.key:<30}{ends:<14}{link.kind.value:<11}{link.gbps:>8g} Gb/s   "
+                f"          {link_class.key:<30}{ends:<14}{link.kind.value:<11}{link.gbps:>8.4g} Gb/s  {source:<16}"
                 f"e.g. ranks {example[0]}<->{example[1]}"
             )
         return "\n".join(lines)
@@ -392,6 +412,13 @@ def _validate(spec: ClusterSpec) -> None:
     _positive(spec.device_tflops, "cluster.device_tflops", "set the device's dense peak, e.g. 312 for A100 bf16")
     _positive(spec.intra_node.gbps, "cluster.intra_node.gbps", "set the NVLink/PCIe speed, e.g. 2400")
     _positive(spec.inter_cluster.gbps, "cluster.inter_cluster.gbps", "set the Ethernet speed between clusters")
+    for kind in LinkKind:
+        share = getattr(spec.transport_efficiency, kind.value)
+        if not 0 < share <= 1:
+            raise TopologyError(
+                f"cluster.transport_efficiency.{kind.value}={share}: give the share of line rate the transport "
+                f"delivers, in (0, 1] (or measure the links with holmes_lightning.cli.probe)"
+            )
     names = [c.name for c in spec.clusters]
     _validate_pairs(spec.inter_cluster, names)
     for i, group in enumerate(spec.clusters):
