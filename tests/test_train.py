@@ -58,6 +58,8 @@ def test_default_job_trains_on_the_two_cluster_topology(tmp_path):
     assert steps == 30
     assert last < first - 1.0
     assert tokens_per_s > 0 and tflops > 0
+    peaks = re.search(r"peak memory per rank ([\d.e-]+)-([\d.e-]+) GB \(planned up to ([\d.e-]+)\)", out.stdout)
+    assert peaks and 0 < float(peaks[1]) <= float(peaks[2]) and float(peaks[3]) > 0, out.stdout[-2000:]
     (metrics,) = tmp_path.glob("*/csv/metrics.csv")
     rows = list(csv.DictReader(metrics.open()))
     assert any(row.get("val_loss") for row in rows) and any(row.get("train/device/items_per_sec") for row in rows)

@@ -6,9 +6,12 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning as L
+import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ThroughputMonitor
 from lightning.pytorch.trainer.states import RunningStage
 
+from holmes_lightning.measure import peak_resident_bytes, resident_bytes
 from holmes_lightning.runtime.contract import split_batch
 
 
@@ -58,15 +61,37 @@ class PausableThroughputMonitor(ThroughputMonitor):
 
 class RunSummary(Callback):
     """Rank 0 prints the training loss (first -> last step), tokens/s next to the plan's prediction, model TFLOPS and
-    MFU (where the model's FLOPs are known) when training ends.
+    MFU (where the model's FLOPs are known), and the ranks' peak memory next to the plan's estimate when training ends.
 
     Throughput leaves out validation and checkpoint saves (`throughput_monitor`); their seconds follow it.
     MFU is against the calibrated peak: what one rank of this machine computes on this model's layers at full batch
     (`HolmesStrategy.calibration`, measured at job start), not a datasheet number; without a calibration there is none.
+    Peak memory is what the planner estimates, training's above the process's own: on a GPU the allocator's peak, on
+    CPU the peak resident memory above the rank's at `setup` (before the model is materialised).
     """
 
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.baseline_bytes = 0
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
+        else:
+            self.baseline_bytes = resident_bytes()
+
+    def peak_gb(self, trainer: L.Trainer) -> list[float]:
+        """Every rank's peak training memory in GB (a collective: every rank calls it)."""
+        device = trainer.strategy.root_device
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device)
+        else:
+            peak = max(peak_resident_bytes() - self.baseline_bytes, 0)
+        if not dist.is_available() or not dist.is_initialized():
+            return [peak / 1e9]
+        peaks: list[int] = [0] * dist.get_world_size()
+        dist.all_gather_object(peaks, peak)
+        return [value / 1e9 for value in peaks]
 
     def on_train_batch_end(self, trainer: L.Trainer, *_args: object) -> None:
         loss = trainer.callback_metrics.get("train_loss")
@@ -74,6 +99,7 @@ class RunSummary(Callback):
             self.losses.append(float(loss))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        peaks = self.peak_gb(trainer)
         if not trainer.is_global_zero or not self.losses:
             return
         metrics = trainer.logged_metrics  # the monitor's latest window (per device; x world size = whole job)
@@ -81,12 +107,17 @@ class RunSummary(Callback):
         flops_per_s = metrics.get("train/device/flops_per_sec")
         world = trainer.world_size
         line = f"holmes: {len(self.losses)} steps, train loss {self.losses[0]:.3f} -> {self.losses[-1]:.3f}"
+        plan = getattr(trainer.strategy, "plan", None)
+        memory = f" | peak memory per rank {min(peaks):.3g}-{max(peaks):.3g} GB"
+        if plan is not None:
+            memory += f" (planned up to {plan.prediction.memory_gb:.3g})"
         if tokens_per_s is None:
-            print(f"{line} | throughput: too few logged steps for the monitor's window (raise trainer.max_steps)")
+            print(
+                f"{line} | throughput: too few logged steps for the monitor's window (raise trainer.max_steps){memory}"
+            )
             return
         measured = float(tokens_per_s) * world
         line += f" | {measured:,.0f} tokens/s"
-        plan = getattr(trainer.strategy, "plan", None)
         if plan is not None and plan.prediction.tokens_per_s > 0:
             predicted = plan.prediction.tokens_per_s
             line += f" (predicted {predicted:,.0f}: measured / predicted {measured / predicted:.2f})"
@@ -100,6 +131,7 @@ class RunSummary(Callback):
                     f" | MFU {per_device / (calibrated.device_tflops * 1e12):.0%} of the calibrated peak "
                     f"({calibrated.device_tflops:.3g} TFLOPS per rank, measured at start)"
                 )
+        line += memory
         saving_s = sum(getattr(callback, "saving_s", 0.0) for callback in trainer.checkpoint_callbacks)
         if saving_s:
             line += f" | checkpoint saves {saving_s:.1f} s in all"
