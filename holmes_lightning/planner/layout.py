@@ -143,8 +143,10 @@ def mixes_rdma_kinds(topology: Topology) -> bool:
 
 def boundary_link(topology: Topology, sender: StageGroup, receiver: StageGroup, rdma: bool = True) -> Link:
     """The slowest of the parallel links dp rank i of one stage uses to reach dp rank i of the next."""
-    pairs = zip(sender.ranks, receiver.ranks, strict=True)
-    return min((topology.link(a, b, rdma) for a, b in pairs), key=lambda link: link.gbps)
+    per_nodes: dict[tuple[int, int], tuple[int, int]] = {}  # a link depends on the two ranks' nodes only
+    for a, b in zip(sender.ranks, receiver.ranks, strict=True):
+        per_nodes.setdefault((topology.ranks[a].node, topology.ranks[b].node), (a, b))
+    return min((topology.link(a, b, rdma) for a, b in per_nodes.values()), key=lambda link: link.gbps)
 
 
 def _slices(group: NICGroup, dp: int) -> list[StageGroup]:

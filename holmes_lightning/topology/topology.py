@@ -205,6 +205,7 @@ class Topology:
         self._cluster_gbps = {group.name: group.nic.gbps for group in spec.clusters}
         self._cluster_nic = {group.name: NICKind(group.nic.kind) for group in spec.clusters}
         self._pair_gbps = {frozenset(pair.clusters): pair.gbps for pair in spec.inter_cluster.pairs}
+        self._links: dict[LinkClass, Link] = {}
 
     @classmethod
     def from_config(cls, source: str | Path | Mapping | DictConfig | ClusterSpec, **overrides: Any) -> Topology:
@@ -242,7 +243,12 @@ class Topology:
 
     def link_of(self, link_class: LinkClass) -> Link:
         """A link class's speed: measured if a probe gave one (`LinkClass.measured_keys`), else configured (never
-        above either end's NIC)."""
+        above either end's NIC) at its transport's efficiency."""
+        if link_class not in self._links:
+            self._links[link_class] = self._link_of(link_class)
+        return self._links[link_class]
+
+    def _link_of(self, link_class: LinkClass) -> Link:
         measured = next((self.measured[key] for key in link_class.measured_keys if key in self.measured), None)
         if measured is None and link_class.scope is LinkScope.inter_cluster:
             measured = self.measured.get(LinkScope.inter_cluster.value)  # probe files from before per-pair links
