@@ -103,6 +103,10 @@ class HolmesStrategy(ModelParallelStrategy):
             measure, such as `dp_overlap`. Every plan also fits the device's memory for training (its memory less a
             reserve; on CPU the host's available memory per rank), measured at start unless given.
         timeout: seconds (or a timedelta) a collective may wait before the job fails.
+        fsdp_on_one_rank: with sharding "fsdp", apply FSDP2 also to a stage whose DP group is one rank, where it has
+            nothing to shard and is skipped by default: its hooks, DTensor parameters and mixed-precision policy
+            then run as on many ranks, at the cost of a gathered copy of the weights. For checks of the multi-rank
+            path on one device (`python -m holmes_lightning.cli.gpu_check`); the planner's estimates do not count it.
     """
 
     strategy_name = "holmes"
@@ -127,6 +131,7 @@ class HolmesStrategy(ModelParallelStrategy):
         costs: MachineCosts | None = None,
         timeout: float | timedelta = default_pg_timeout,
         process_group_backend: str | None = None,
+        fsdp_on_one_rank: bool = False,
     ) -> None:
         given = {"schedule": schedule, "partition": partition, "pp": pp, "dp": dp, "sharding": sharding}
         given.update(layout=layout, activation_checkpointing=activation_checkpointing)
@@ -151,6 +156,7 @@ class HolmesStrategy(ModelParallelStrategy):
         self.cluster = cluster
         self.profile = profile
         self.calibrate = calibrate
+        self.fsdp_on_one_rank = fsdp_on_one_rank
         self.costs = costs or MachineCosts()
         self.calibration: Calibration | None = None
         self.plan: Plan | None = (
@@ -354,6 +360,7 @@ class HolmesStrategy(ModelParallelStrategy):
             mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32) if mixed else MixedPrecisionPolicy(),
             seed=lambda: self.broadcast(torch.initial_seed()),
             ties=self._ties,
+            fsdp_on_one_rank=self.fsdp_on_one_rank,
         )
         self.model_to_device()
         self._gradients = HeldGradients(module.parameters())
