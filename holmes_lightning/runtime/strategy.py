@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
+from types import MethodType
 from typing import Any
 
 import lightning.pytorch as pl
@@ -28,7 +29,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import _set_rng_states, reset_seed
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -346,6 +347,11 @@ class HolmesStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # total norm over every stage
+        plugin = self.precision_plugin
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is None:
+            # bf16-mixed: Lightning's MixedPrecision refuses to clip for a fused optimizer (the recipe's AdamW), which
+            # would unscale fp16 gradients itself (Lightning-AI/pytorch-lightning#21435); bf16 has no scaler
+            plugin.clip_gradients = MethodType(Precision.clip_gradients, plugin)
 
     def _prepare(self, module: pl.LightningModule) -> None:
         """This rank's part of the model (`assembly.assemble`), on its device, in the plan's precision."""
