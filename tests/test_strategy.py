@@ -202,6 +202,58 @@ def test_two_virtual_stages_on_one_device_match_plain_training() -> None:
     assert result["losses"] == pytest.approx(reference, rel=1e-4)  # training steps, then the validation loss
 
 
+class FusedAdamMLP(TinyMLP):
+    """TinyMLP with the recipe GPT's fused AdamW, which Lightning's bf16-mixed plugin refuses to clip for."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, fused=True)
+
+
+class ClippedNorms(L.Callback):
+    """The gradients' 2-norm as each optimizer step sees them (after clipping)."""
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        def record(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            self.norms.append(float(torch.nn.utils.get_total_norm(grads)))
+
+        trainer.optimizers[0].register_step_post_hook(record)
+
+
+def one_rank_bf16_mixed_clipping() -> list[float]:
+    """Rank side: bf16-mixed, a fused AdamW and gradient clipping on two virtual stages; each step's clipped norm."""
+    clipped = ClippedNorms()
+    strategy = HolmesStrategy(
+        cluster=ONE_RANK, schedule="Interleaved1F1B", global_batch=GLOBAL_BATCH, microbatches=4, timeout=60
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        precision="bf16-mixed",
+        max_steps=2,
+        gradient_clip_val=1e-3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[clipped],
+    )
+    trainer.fit(FusedAdamMLP(), tiny_loader(2 * GLOBAL_BATCH, GLOBAL_BATCH))
+    return clipped.norms
+
+
+@pytest.mark.slow
+def test_bf16_mixed_clips_for_a_fused_optimizer() -> None:
+    """Lightning's MixedPrecision raises for a fused optimizer and clipping (it would unscale fp16 gradients itself,
+    Lightning-AI/pytorch-lightning#21435); bf16 has no scaler, so HolmesStrategy clips as in fp32."""
+    (norms,) = run_ranks("test_strategy:one_rank_bf16_mixed_clipping", cluster=ONE_RANK, timeout_s=180)
+    assert len(norms) == 2 and all(0 < norm <= 1e-3 * (1 + 1e-3) for norm in norms)
+
+
 def one_rank_without_a_global_batch() -> dict:
     """Rank side: no global batch given; a DataLoader of a fixed batch size, then one asking the strategy for it."""
 

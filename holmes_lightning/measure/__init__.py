@@ -8,6 +8,7 @@ from holmes_lightning.measure.host import (
     peak_resident_bytes,
     rank_share,
     resident_bytes,
+    restart_peak_resident,
 )
 from holmes_lightning.measure.profile import first_sample, measure_layers, profile_modules
 
@@ -23,4 +24,5 @@ __all__ = [
     "profile_modules",
     "rank_share",
     "resident_bytes",
+    "restart_peak_resident",
 ]

@@ -15,6 +15,7 @@ GPU_RESERVE_GB = 1.5  # the CUDA context (~0.5 GB) and NCCL's buffers (a few com
 GPU_RESERVE_SHARE = 0.05  # what the caching allocator loses to fragmentation
 CPU_BASELINE_GB = 0.5  # a rank process's own memory: interpreter, torch, Lightning (0.43 GB of RSS measured here)
 MEMINFO = Path("/proc/meminfo")
+CLEAR_REFS = Path("/proc/self/clear_refs")
 
 
 def cpu_gflops(seconds: float = 0.25) -> float:
@@ -57,8 +58,18 @@ def resident_bytes() -> int:
 
 
 def peak_resident_bytes() -> int:
-    """The most resident memory this process has held so far (Linux reports kilobytes)."""
+    """The most resident memory this process has held so far, or since `restart_peak_resident` (Linux reports
+    kilobytes)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def restart_peak_resident() -> bool:
+    """Make `peak_resident_bytes` count from now (Linux 4.0+: /proc/self/clear_refs); False where it cannot."""
+    try:
+        CLEAR_REFS.write_text("5")  # 5: reset the peak resident set size
+    except OSError:
+        return False
+    return True
 
 
 def training_memory_gb(device: torch.device, ranks_on_host: int) -> float | None:

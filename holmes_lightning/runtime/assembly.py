@@ -5,6 +5,7 @@ in pipeline stages."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import lightning.pytorch as pl
 import torch
@@ -31,10 +32,12 @@ def assemble(
     mp_policy: MixedPrecisionPolicy,
     seed: Callable[[], int],
     ties: Sequence[Tie] = (),
+    fsdp_on_one_rank: bool = False,
 ) -> Pipeline | None:
     """Make `module` this rank's part of `plan`; the Pipeline that runs its stage, or None without a pipeline (the
     module's own steps then run, FSDP2 or replicas over the DP mesh). `seed`: rank 0's seed, asked for (on every
-    rank) only when layers are on the meta device. `ties`: the weights several of its layers hold (`find_ties`)."""
+    rank) only when layers are on the meta device. `ties`: the weights several of its layers hold (`find_ties`).
+    `fsdp_on_one_rank`: FSDP2 also over a DP mesh of one rank (`sharding.parallelize`)."""
     layers = [] if missing_contract(module) else list(module.pipeline_layers())
     if len(layers) not in (0, plan.num_layers):
         raise ValueError(
@@ -51,16 +54,15 @@ def assemble(
     twins = meta_twins(layers, owned) if layers and is_meta(module) else {}
     # 2. activation checkpointing (before sharding: FSDP's hooks wrap the recomputing forward)
     checkpoint_layers(layers, owned, stage.checkpointing)
+    shard = partial(parallelize, mesh=mesh.dp_mesh, plan=plan, mp_policy=mp_policy, fsdp_on_one_rank=fsdp_on_one_rank)
     if not plan.is_pipelined:
         # 3. shard (or replicate) over the stage's DP mesh, 4. allocate and initialise
-        parallelize(module, layers=layers, mesh=mesh.dp_mesh, plan=plan, mp_policy=mp_policy)
+        shard(module, layers=layers)
         _materialize(module, layers=layers, twins=twins, device=device, seed=seed, ties=ties)
         return None
     # virtual stages, possibly all on this rank (pp=1, Interleaved1F1B): 3. shard each chunk, 4. allocate, initialise
     chunks = [LayerChain(*layers[start:stop]) for start, stop in stage.chunks]
-    syncs = [
-        parallelize(chunk, layers=list(chunk), mesh=mesh.dp_mesh, plan=plan, mp_policy=mp_policy) for chunk in chunks
-    ]
+    syncs = [shard(chunk, layers=list(chunk)) for chunk in chunks]
     _materialize(module, layers=layers, twins=twins, device=device, seed=seed, ties=ties)
     # 5. copies of weights tied across stages start equal and sum their gradients; 6. the pipeline stages, schedule
     tied = TiedCopies(across_stages(ties, plan), layers, set(owned), mesh.tie_groups)

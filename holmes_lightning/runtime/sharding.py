@@ -23,11 +23,18 @@ GradientSync = Callable[[], None]
 
 
 def parallelize(
-    root: nn.Module, *, layers: Sequence[nn.Module], mesh: DeviceMesh, plan: Plan, mp_policy: MixedPrecisionPolicy
+    root: nn.Module,
+    *,
+    layers: Sequence[nn.Module],
+    mesh: DeviceMesh,
+    plan: Plan,
+    mp_policy: MixedPrecisionPolicy,
+    fsdp_on_one_rank: bool = False,
 ) -> GradientSync | None:
     """Apply the plan's data parallelism to one model chunk over its stage's DP mesh, always in this order.
 
-    1. A group of one rank has nothing to shard or sync: the chunk stays a plain module.
+    1. A group of one rank has nothing to shard or sync: the chunk stays a plain module, unless `fsdp_on_one_rank`
+       and the plan shards (FSDP2 then runs as on many ranks: its hooks, DTensor parameters and `mp_policy`).
     2. FSDP2: `fully_shard` each layer (its reduce-scatter overlaps the backward of the layers before it, its
        all-gather is prefetched), then the chunk's root, which the pipeline unshards at the start of each step.
        Weights are freed after forward per `plan.reshard_after_forward`. Layers that share a weight (a tied
@@ -39,7 +46,7 @@ def parallelize(
 
     Returns the gradient sync the pipeline must run after each schedule step (case 4), else None.
     """
-    if mesh.size() == 1:
+    if mesh.size() == 1 and not (fsdp_on_one_rank and plan.is_fsdp):
         return None
     wrapped = (*_untied(layers), root)
     if plan.sharding == Sharding.fsdp:

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
+from types import MethodType
 from typing import Any
 
 import lightning.pytorch as pl
@@ -28,7 +29,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import _set_rng_states, reset_seed
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -103,6 +104,10 @@ class HolmesStrategy(ModelParallelStrategy):
             measure, such as `dp_overlap`. Every plan also fits the device's memory for training (its memory less a
             reserve; on CPU the host's available memory per rank), measured at start unless given.
         timeout: seconds (or a timedelta) a collective may wait before the job fails.
+        fsdp_on_one_rank: with sharding "fsdp", apply FSDP2 also to a stage whose DP group is one rank, where it has
+            nothing to shard and is skipped by default: its hooks, DTensor parameters and mixed-precision policy
+            then run as on many ranks, at the cost of a gathered copy of the weights. For checks of the multi-rank
+            path on one device (`python -m holmes_lightning.cli.gpu_check`); the planner's estimates do not count it.
     """
 
     strategy_name = "holmes"
@@ -127,6 +132,7 @@ class HolmesStrategy(ModelParallelStrategy):
         costs: MachineCosts | None = None,
         timeout: float | timedelta = default_pg_timeout,
         process_group_backend: str | None = None,
+        fsdp_on_one_rank: bool = False,
     ) -> None:
         given = {"schedule": schedule, "partition": partition, "pp": pp, "dp": dp, "sharding": sharding}
         given.update(layout=layout, activation_checkpointing=activation_checkpointing)
@@ -151,6 +157,7 @@ class HolmesStrategy(ModelParallelStrategy):
         self.cluster = cluster
         self.profile = profile
         self.calibrate = calibrate
+        self.fsdp_on_one_rank = fsdp_on_one_rank
         self.costs = costs or MachineCosts()
         self.calibration: Calibration | None = None
         self.plan: Plan | None = (
@@ -340,6 +347,11 @@ class HolmesStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # total norm over every stage
+        plugin = self.precision_plugin
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is None:
+            # bf16-mixed: Lightning's MixedPrecision refuses to clip for a fused optimizer (the recipe's AdamW), which
+            # would unscale fp16 gradients itself (Lightning-AI/pytorch-lightning#21435); bf16 has no scaler
+            plugin.clip_gradients = MethodType(Precision.clip_gradients, plugin)
 
     def _prepare(self, module: pl.LightningModule) -> None:
         """This rank's part of the model (`assembly.assemble`), on its device, in the plan's precision."""
@@ -354,6 +366,7 @@ class HolmesStrategy(ModelParallelStrategy):
             mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32) if mixed else MixedPrecisionPolicy(),
             seed=lambda: self.broadcast(torch.initial_seed()),
             ties=self._ties,
+            fsdp_on_one_rank=self.fsdp_on_one_rank,
         )
         self.model_to_device()
         self._gradients = HeldGradients(module.parameters())
