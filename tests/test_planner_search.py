@@ -33,7 +33,7 @@ from holmes_lightning.planner.partition import PartitionStats, search_partition
 from holmes_lightning.planner.report import format_comparison
 from holmes_lightning.planner.schedules import microbatch_problem
 from holmes_lightning.planner.search import SearchStats
-from holmes_lightning.topology import Topology
+from holmes_lightning.topology import Topology, TopologyError
 
 GB = 1e9
 GPT_7_5B = ModelProfile.from_gpt(
@@ -304,3 +304,31 @@ def test_an_alternative_outside_holmes_layouts_may_win_and_is_marked():
     table = format_comparison(plans)
     assert "nic_unaware*" in table and "not a Holmes layout" in table
     assert plans["holmes"].prediction.total_s < plans["uniform"].prediction.total_s * (1 + STEP_TOLERANCE)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(topology=clusters(max_clusters=4, max_nodes=3), data=st.data())
+def test_a_cluster_less_any_of_its_nodes_plans_or_is_refused_with_a_reason(topology, data):
+    """What survivors of a lost node get: random topologies less random nodes (any number, whole clusters too)."""
+    names = [node.name for node in topology.nodes]
+    lost = data.draw(st.lists(st.sampled_from(names), unique=True, max_size=len(names)))
+    if len(lost) == len(names):
+        with pytest.raises(TopologyError, match="every node of cluster .* is lost"):
+            topology.without(lost)
+        return
+    survivors = topology.without(lost)
+    assert survivors.world_size == topology.world_size - sum(len(n.ranks) for n in topology.nodes if n.name in lost)
+    assert [n.name for n in survivors.nodes if n.cluster == "C0"] == [
+        f"C0-node{i}" for i in range(sum(n.cluster == "C0" and n.name not in lost for n in topology.nodes))
+    ]
+    model = data.draw(small_models(max_layers=6))
+    limit = data.draw(st.sampled_from([None, 2.0]))
+    try:
+        plan = best_plan(
+            survivors, model, BatchSettings(4 * survivors.world_size), options=PlanOptions(memory_limit_gb=limit)
+        )
+    except PlanError as refused:
+        assert "no feasible plan" in str(refused) and ("use" in str(refused) or "raise" in str(refused)), str(refused)
+        return
+    assert plan.world_size == survivors.world_size
+    assert limit is None or plan.prediction.memory_gb <= limit

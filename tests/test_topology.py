@@ -292,3 +292,21 @@ def test_a_measured_speed_may_name_its_own_pair_of_clusters():
     assert (probed.link(a, c).gbps, probed.link(a, b).gbps) == (3.0, 7.0)
     assert topology.link_class(a, c).measured_keys == ("inter_cluster:A<->C", "inter_cluster")
     assert topology.link_class(a, a + 1).measured_keys == ("rdma:A",)
+
+
+def test_a_cluster_less_some_nodes_keeps_its_clusters_links_and_hostnames():
+    clusters = [
+        {"name": "A", "nodes": 2, "nic": {"kind": "infiniband", "gbps": 200}, "hostnames": ["a1", "a2"]},
+        {"name": "B", "nodes": 1, "nic": {"kind": "roce", "gbps": 200}},
+        {"name": "C", "nodes": 2, "nic": {"kind": "ethernet", "gbps": 100}},
+    ]
+    pairs = [{"clusters": ["A", "B"], "gbps": 50}, {"clusters": ["A", "C"], "gbps": 25}]
+    topology = Topology.from_config(
+        {"name": "sites", "clusters": clusters, "inter_cluster": {"gbps": 10, "pairs": pairs}}
+    )
+    survivors = topology.without(["a1", "B-node0"])
+    assert [(n.name, n.cluster) for n in survivors.nodes] == [("a2", "A"), ("C-node0", "C"), ("C-node1", "C")]
+    assert [list(p.clusters) for p in survivors.spec.inter_cluster.pairs] == [["A", "C"]]
+    assert survivors.link(0, 1).line_gbps == 25 and survivors.world_size == 3
+    with pytest.raises(TopologyError, match=r"lost nodes \['z9'\] are not in cluster 'sites'"):
+        topology.without(["z9"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
 from enum import Enum
 from pathlib import Path
@@ -323,6 +323,28 @@ class Topology:
                 f"{len(self.nodes)} nodes x {per_node} devices = {self.world_size} ranks; fix cluster.devices_per_node "
                 f"or the clusters' `nodes`, or launch {self.world_size} processes"
             )
+
+    def without(self, lost: Iterable[str]) -> Topology:
+        """The same machines less the nodes named in `lost` (`Node.name`: a hostname, or `<cluster>-node<i>`), ranks
+        numbered again node-major in config order; a cluster left with no node is dropped with its `pairs` entries.
+        Names of nodes without hostnames are given again in the smaller config."""
+        lost = set(lost)
+        unknown = sorted(lost - {node.name for node in self.nodes})
+        if unknown:
+            raise TopologyError(f"lost nodes {unknown} are not in cluster {self.name!r}; name nodes as it lists them")
+        groups, kept_names = [], []
+        for group in self.spec.clusters:
+            names = [node.name for node in self.nodes if node.cluster == group.name]
+            present = [name for name in names if name not in lost]
+            if present:
+                hostnames = present if group.hostnames else None
+                groups.append(replace(group, nodes=len(present), hostnames=hostnames))
+                kept_names.append(group.name)
+        if not groups:
+            raise TopologyError(f"every node of cluster {self.name!r} is lost; nothing is left to train on")
+        pairs = [pair for pair in self.spec.inter_cluster.pairs if set(pair.clusters) <= set(kept_names)]
+        spec = replace(self.spec, clusters=groups, inter_cluster=replace(self.spec.inter_cluster, pairs=pairs))
+        return Topology(spec, self.measured)
 
     def homogeneous(self) -> Topology:
         """The same machines with every inter-node link at the fastest NIC's speed, delivered as its transport does
