@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import asdict
 
 import hydra
@@ -28,10 +29,11 @@ from holmes_lightning.cli.launch import start_ranks
 from holmes_lightning.cli.models import build_model, check_model, flops_per_sample
 from holmes_lightning.cli.targets import added_keys
 from holmes_lightning.launch import job
-from holmes_lightning.launch.processes import LAUNCHED_ENV
-from holmes_lightning.planner import ModelProfile, PlanError
+from holmes_lightning.launch.processes import LAUNCHED_ENV, launched_topology
+from holmes_lightning.planner import ModelProfile, Plan, PlanError
+from holmes_lightning.planner.survivors import plan_on_most_nodes
 from holmes_lightning.recipes import RunSummary, throughput_monitor
-from holmes_lightning.runtime import HolmesStrategy
+from holmes_lightning.runtime import HolmesStrategy, checkpoint
 from holmes_lightning.runtime.checkpoint import CheckpointError
 from holmes_lightning.runtime.contract import ContractError
 from holmes_lightning.runtime.environment import default_environment
@@ -53,8 +55,8 @@ def main(cfg: DictConfig) -> None:
     try:  # every check that needs no other process, so a bad value stops the job before any rank starts
         config: TrainConfig = OmegaConf.to_object(cfg)
         arguments = {node: added_keys(cfg[node]) for node in ("model", "data")}  # of a model/data `_target_`
-        topology = Topology.from_config(config.cluster)
-        check_choices(config)
+        topology = launched_topology() or Topology.from_config(config.cluster)  # ours: less any node lost
+        check_choices(config, topology)
         profile = check_model(config, arguments["model"], data_vocab=check_data(config, arguments["data"]))
         timeout_s = job.collective_timeout_s(config.strategy.timeout_s, os.environ)
         strategy = make_strategy(config, topology, timeout_s)
@@ -73,7 +75,7 @@ def main(cfg: DictConfig) -> None:
     if not is_rank_process():
         if plan is None:
             print(f"train.py: {config.model._target_} is profiled and planned once the ranks have built it", flush=True)
-        sys.exit(start_job(config, topology, run_dir))
+        sys.exit(start_job(config, topology, run_dir, survivors_plan(config, strategy, profile)))
     warn_once_about_timeout(config, topology, timeout_s)
     try:
         train(config, arguments, topology, strategy, run_dir, profile)
@@ -89,9 +91,12 @@ def exit_with_error(err: BaseException, where: str = "") -> None:
     sys.exit(2)
 
 
-def check_choices(config: TrainConfig) -> None:
+def check_choices(config: TrainConfig, topology: Topology) -> None:
     if config.logger not in LOGGERS:
         raise ConfigError(f"logger={config.logger!r}: use one of {LOGGERS}")
+    least, nodes = config.elastic.min_nodes, len(topology.nodes)
+    if least is not None and least > nodes and not is_rank_process():
+        raise ConfigError(f"elastic.min_nodes={least}: the cluster has {nodes} nodes; use at most {nodes}")
 
 
 def is_rank_process() -> bool:
@@ -99,7 +104,25 @@ def is_rank_process() -> bool:
     return LAUNCHED_ENV in os.environ or default_environment().creates_processes_externally
 
 
-def start_job(config: TrainConfig, topology: Topology, run_dir: str) -> int:
+def survivors_plan(
+    config: TrainConfig, strategy: HolmesStrategy, profile: ModelProfile | None
+) -> Callable[[Topology], Topology] | None:
+    """After a lost node, which of the nodes left train (`plan_on_most_nodes`); None: your own module, planned by the
+    ranks, gets every node left."""
+    if profile is None:
+        return None
+
+    def plan(nodes: Topology) -> Plan:
+        return validate.check_plan(
+            config, nodes, strategy.batch, profile, options=strategy.options, costs=strategy.costs
+        )
+
+    return lambda survivors: plan_on_most_nodes(survivors, plan)[0]
+
+
+def start_job(
+    config: TrainConfig, topology: Topology, run_dir: str, training_nodes: Callable[[Topology], Topology] | None
+) -> int:
     """One process per rank of the topology, all writing into this run's directory."""
     resume = f"resume='{config.resume}'" if config.resume else "resume=null"  # every rank resumes the same one
     command = [sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:], f"hydra.run.dir='{run_dir}'", resume]
@@ -107,7 +130,21 @@ def start_job(config: TrainConfig, topology: Topology, run_dir: str) -> int:
         print(f"train.py: resuming from {config.resume}", flush=True)
     print(topology, flush=True)
     print(f"train.py: starting {topology.world_size} ranks ({config.lab.mode}); logs in {run_dir}", flush=True)
-    return start_ranks(command, topology, config.lab)
+    return start_ranks(
+        command,
+        topology,
+        config.lab,
+        config.elastic,
+        restart_command=lambda: resumed(command, config),
+        training_nodes=training_nodes,
+    )
+
+
+def resumed(command: list[str], config: TrainConfig) -> list[str]:
+    """The ranks' command after a lost node: from the newest complete checkpoint (none yet: from the start)."""
+    path = checkpoint.latest(config.checkpoint.dir)
+    print(f"train.py: resuming from {path}" if path else "train.py: no checkpoint yet: starting over", flush=True)
+    return [*command[:-1], f"resume='{path}'" if path else "resume=null"]
 
 
 def make_strategy(config: TrainConfig, topology: Topology, timeout_s: float) -> HolmesStrategy:

@@ -253,7 +253,7 @@ def test_an_allreduce_travels_in_its_fabrics_shaped_class():
     with tempfile.TemporaryDirectory() as out:
         kwargs = json.dumps({"numel": numel})
         command = [sys.executable, str(ROOT / "tests" / "distributed.py"), "test_lab:allreduce_traffic", kwargs, out]
-        assert run_in_lab(topology, command, bandwidth_scale=SCALE) == 0
+        assert run_in_lab(topology, command, bandwidth_scale=SCALE).code == 0
         results = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(topology.world_size)]
     payload, chatter = 4 * numel, 4 * numel / 20  # chatter: a barrier, a rendezvous or TCP's acks, a few kB
     busy = {  # (all-reduce, rank = node: A-node0, A-node1, B-node0) -> the class that must carry it
@@ -275,7 +275,7 @@ def test_an_allreduce_travels_in_its_fabrics_shaped_class():
 @pytest.mark.lab
 def test_failed_job_leaves_no_namespace():
     command = [sys.executable, "-c", "import sys; sys.exit(3)"]
-    assert run_in_lab(Topology.from_config("two_cluster_mixed"), command, bandwidth_scale=SCALE) == 3
+    assert run_in_lab(Topology.from_config("two_cluster_mixed"), command, bandwidth_scale=SCALE).code == 3
     assert _namespaces_of(os.getpid()) == []
 
 
@@ -283,7 +283,7 @@ def _start_sleeping_lab() -> tuple[subprocess.Popen, list[int]]:
     """A lab run whose ranks sleep; returns it once all its namespaces hold a rank, with the ranks' pids."""
     code = (
         "import sys; from holmes_lightning.lab import run_in_lab; from holmes_lightning.topology import Topology; "
-        f"sys.exit(run_in_lab(Topology.from_config('two_cluster_mixed'), ['sleep', '120'], {SCALE}))"
+        f"sys.exit(run_in_lab(Topology.from_config('two_cluster_mixed'), ['sleep', '120'], {SCALE}).code)"
     )
     run = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
 
@@ -336,7 +336,7 @@ def test_without_privileges_the_job_runs_on_loopback():
     """Root inside a user namespace cannot create network namespaces: one line says so, the job still runs."""
     code = (
         "import sys; from holmes_lightning.lab import run_in_lab; from holmes_lightning.topology import Topology; "
-        f"sys.exit(run_in_lab(Topology.from_config('two_cluster_mixed'), ['echo', 'rank ran'], {SCALE}))"
+        f"sys.exit(run_in_lab(Topology.from_config('two_cluster_mixed'), ['echo', 'rank ran'], {SCALE}).code)"
     )
     result = subprocess.run(
         ["unshare", "--user", "--map-root-user", sys.executable, "-c", code],

@@ -104,7 +104,7 @@ def test_a_frozen_rank_makes_its_peers_time_out(capfd: pytest.CaptureFixture, tm
 def test_a_rank_killed_in_the_lab_leaves_no_namespace_or_process(capfd: pytest.CaptureFixture, tmp_path: Path) -> None:
     command = one_rank_fails_while_the_others_wait(1, "os.kill(os.getpid(), signal.SIGKILL)", tmp_path)
     with deadline(300, "a lab run whose ranks wait until they are stopped"):
-        assert run_in_lab(Topology.from_config("two_cluster_mixed"), command, bandwidth_scale=0.01) == 137
+        assert run_in_lab(Topology.from_config("two_cluster_mixed"), command, bandwidth_scale=0.01).code == 137
     out, err = capfd.readouterr()
     assert "holmes: rank 1 on node A-node1 was killed by SIGKILL" in err
     assert sorted(re.findall(r"rank (\d) stopped by SIGTERM", err)) == ["0", "2", "3"]

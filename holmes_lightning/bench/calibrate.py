@@ -90,7 +90,7 @@ def lab_transfer_cpu_s_per_byte(hybrid: Topology) -> float:
     def measure() -> float:
         with tempfile.TemporaryDirectory() as folder:
             result = Path(folder) / "cpu_s_per_byte"
-            if run_in_lab(hybrid, [sys.executable, "-c", code, str(result)], bandwidth_scale=scale):
+            if run_in_lab(hybrid, [sys.executable, "-c", code, str(result)], bandwidth_scale=scale).code:
                 raise RuntimeError("measuring what the lab's links cost the cores failed; the ranks' output is above")
             return float(result.read_text())
 

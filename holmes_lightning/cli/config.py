@@ -251,6 +251,23 @@ class LabConfig:
 
 
 @dataclass
+class ElasticConfig:
+    """Restarts after a lost node on this machine's emulated nodes: a rank killed by a signal counts its node as
+    lost; the job's ranks stop and start again on the nodes left, re-planned, from the last checkpoint, at most
+    `max_restarts` times (0: a failure ends the job, as before) and never on fewer than `min_nodes` nodes (null: as
+    few as still hold the model; the planner refuses fewer). On real clusters torchrun's elastic agent restarts
+    (README)."""
+
+    max_restarts: int = 0
+    min_nodes: int | None = None
+
+    def __post_init__(self) -> None:
+        restarts, least = self.max_restarts, self.min_nodes
+        _require(restarts >= 0, "elastic.max_restarts", restarts, "must be >= 0 (0: no restart)")
+        _require(least is None or least >= 1, "elastic.min_nodes", least, "must be >= 1, or null (no floor)")
+
+
+@dataclass
 class TrainConfig:
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
     model: Any = omegaconf.MISSING  # ModelConfig or HFModelConfig: the `model` group's choice brings its schema
@@ -259,6 +276,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     lab: LabConfig = field(default_factory=LabConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
     seed: int = 1234
     resume: str | None = None  # a checkpoint directory, or "auto": the newest complete one in checkpoint.dir
     logger: str = "csv"

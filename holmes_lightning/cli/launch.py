@@ -11,7 +11,7 @@ before they exit. `train.py`, the bench and the probe start their ranks through 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,16 +21,18 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from holmes_lightning.cli.config import ConfigError, LabConfig, LabMode, error_line, register_configs
+from holmes_lightning.cli.config import ConfigError, ElasticConfig, LabConfig, LabMode, error_line, register_configs
 from holmes_lightning.lab.run import run_in_lab
-from holmes_lightning.launch.processes import launch
+from holmes_lightning.launch.processes import JobEnd, launch_job
 from holmes_lightning.topology import ClusterSpec, Topology, config_dir
 
 USAGE = (
-    "usage: holmes-launch cluster=NAME [cluster.KEY=VALUE ...] [lab=emulate] [lab.bandwidth_scale=X] -- COMMAND ...\n"
+    "usage: holmes-launch cluster=NAME [cluster.KEY=VALUE ...] [lab=emulate] [lab.bandwidth_scale=X]\n"
+    "                     [elastic.max_restarts=N elastic.min_nodes=M] -- COMMAND ...\n"
     "Runs COMMAND once per rank of the cluster config on this machine, numbered as torchrun numbers a multi-node job\n"
     "(RANK, LOCAL_RANK, GROUP_RANK, WORLD_SIZE, MASTER_ADDR, ...). lab=emulate runs each node in the lab's emulated\n"
-    "network (needs root; otherwise plain loopback, with a notice). Example:\n"
+    "network (needs root; otherwise plain loopback, with a notice). elastic.max_restarts=N: a rank killed by a\n"
+    "signal counts its node as lost and COMMAND runs again on the nodes left (resuming its checkpoint). Example:\n"
     "  holmes-launch cluster=two_cluster_mixed lab=emulate -- python recipes/train_my_model.py"
 )
 
@@ -42,14 +44,62 @@ class LaunchConfig:
     defaults: list[Any] = field(default_factory=lambda: ["_self_", {"cluster": "???"}, {"lab": "loopback"}])
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
     lab: LabConfig = field(default_factory=LabConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
 
 
-def start_ranks(command: Sequence[str], topology: Topology, lab: LabConfig | None = None) -> int:
+def start_ranks(
+    command: Sequence[str],
+    topology: Topology,
+    lab: LabConfig | None = None,
+    elastic: ElasticConfig | None = None,
+    restart_command: Callable[[], Sequence[str]] | None = None,
+    training_nodes: Callable[[Topology], Topology] | None = None,
+) -> int:
     """The one way our tools start a job: every rank of `topology` runs `command` on this machine, in the lab's
-    emulated network when `lab.mode` is "emulate"; returns the job's exit code."""
+    emulated network when `lab.mode` is "emulate"; returns the job's exit code.
+
+    `elastic`: when a rank dies (killed by a signal), its node counts as lost and the job starts again on the nodes
+    left (`Topology.without`, which the ranks plan for), running what `restart_command()` gives then (default:
+    `command`; it must resume from the last checkpoint), up to `elastic.max_restarts` times and on
+    `elastic.min_nodes` nodes at least. `training_nodes(survivors)`: those of them that train (default: all; raises
+    a ValueError that ends the job when none can).
+    """
+    elastic = elastic or ElasticConfig()
+    least = elastic.min_nodes or 1
+    for restart in range(elastic.max_restarts + 1):
+        ended = _run_once(command if restart == 0 or restart_command is None else restart_command(), topology, lab)
+        if ended.code == 0 or ended.died_on is None or restart == elastic.max_restarts:
+            return ended.code
+        lost = topology.nodes[ended.died_on].name
+        left = len(topology.nodes) - 1
+        if left < least:
+            print(
+                f"holmes: node {lost} lost; {left} nodes left, below elastic.min_nodes={least}: the job ends "
+                f"(lower elastic.min_nodes to go on with fewer)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return ended.code
+        survivors = topology.without([lost])
+        try:
+            topology = training_nodes(survivors) if training_nodes else survivors
+        except ValueError as err:  # PlanError: the nodes left cannot hold the model
+            print(f"holmes: node {lost} lost; the job ends: {error_line(err)}", file=sys.stderr, flush=True)
+            return ended.code
+        idle = [node.name for node in survivors.nodes if node.name not in {n.name for n in topology.nodes}]
+        sitting = f"; {idle} sit out (no plan of all {left} holds the model)" if idle else ""
+        print(
+            f"holmes: node {lost} lost; restart {restart + 1} of {elastic.max_restarts} on {len(topology.nodes)} of "
+            f"the {left} nodes left ({topology.world_size} ranks){sitting}, re-planned, from the last checkpoint",
+            flush=True,
+        )
+    return ended.code
+
+
+def _run_once(command: Sequence[str], topology: Topology, lab: LabConfig | None) -> JobEnd:
     if lab is not None and lab.mode is LabMode.emulate:
         return run_in_lab(topology, command, bandwidth_scale=lab.bandwidth_scale)
-    return launch(command, topology)
+    return launch_job(command, topology)
 
 
 def parse_args(argv: Sequence[str]) -> tuple[LaunchConfig, list[str]]:
@@ -80,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"holmes-launch: {topology.world_size} ranks of {topology.name!r} ({config.lab.mode}): {' '.join(command)}",
         flush=True,
     )
-    return start_ranks(command, topology, config.lab)
+    return start_ranks(command, topology, config.lab, config.elastic)
 
 
 if __name__ == "__main__":

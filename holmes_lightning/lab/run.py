@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from holmes_lightning.lab.design import LabNetwork, describe, design_network, emulated_topology, format_scale
 from holmes_lightning.lab.network import DEVICE, LabUnavailable, build_network, remove_namespaces, unavailable_reason
 from holmes_lightning.lab.scale import default_bandwidth_scale
-from holmes_lightning.launch.processes import launch
+from holmes_lightning.launch.processes import JobEnd, launch_job
 from holmes_lightning.runtime.environment import FABRIC_ADDRESS_ENV, NODE_ADDRESS_ENV
 from holmes_lightning.topology import Topology
 
@@ -53,8 +53,8 @@ def _torn_down(network: LabNetwork) -> Iterator[None]:
                 signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
-def run_in_lab(topology: Topology, command: Sequence[str], bandwidth_scale: float | None = None) -> int:
-    """Run `command` once per rank, each node's ranks inside that node's namespace; returns the job's exit code.
+def run_in_lab(topology: Topology, command: Sequence[str], bandwidth_scale: float | None = None) -> JobEnd:
+    """Run `command` once per rank, each node's ranks inside that node's namespace; returns how the job ended.
 
     `bandwidth_scale` maps real link speeds to lab speeds (None: chosen from this CPU, see `lab.scale`). Without
     root or network namespaces the job runs on plain loopback instead, after a one-line notice.
@@ -73,7 +73,7 @@ def run_in_lab(topology: Topology, command: Sequence[str], bandwidth_scale: floa
                     f"bandwidth_scale={format_scale(scale)} ({why})\n{describe(network)}",
                     flush=True,
                 )
-                return launch(
+                return launch_job(
                     command,
                     emulated_topology(topology, scale),
                     master_addr=network.nodes[0].ethernet,
@@ -83,4 +83,4 @@ def run_in_lab(topology: Topology, command: Sequence[str], bandwidth_scale: floa
         except LabUnavailable as err:
             reason = str(err)
     print(f"holmes lab: unavailable ({reason}); running on plain loopback, links not shaped", file=sys.stderr)
-    return launch(command, topology)
+    return launch_job(command, topology)

@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from holmes_lightning.topology import Topology
 
@@ -60,7 +61,22 @@ class RankProcess:
     popen: subprocess.Popen
 
 
-def launch(
+@dataclass(frozen=True)
+class JobEnd:
+    """How a job's ranks ended: the job's exit code, and the node of a rank that died (killed by a signal nobody
+    forwarded to it: the OOM killer, a lost machine; None when none did)."""
+
+    code: int
+    died_on: int | None = None
+
+
+def launch(command: Sequence[str], topology: Topology, **options: Any) -> int:
+    """Run `command` once per rank and wait (`launch_job`); returns 0, or the exit code of the first rank that
+    failed."""
+    return launch_job(command, topology, **options).code
+
+
+def launch_job(
     command: Sequence[str],
     topology: Topology,
     master_addr: str = "127.0.0.1",
@@ -68,8 +84,8 @@ def launch(
     node_prefix: Callable[[int], list[str]] | None = None,
     node_env: Callable[[int], dict[str, str]] | None = None,
     grace_s: float = 15.0,
-) -> int:
-    """Run `command` once per rank and wait; returns 0, or the exit code of the first rank that failed."""
+) -> JobEnd:
+    """Run `command` once per rank and wait; the code is 0, or the exit code of the first rank that failed."""
     port = master_port or free_port()
     procs: list[RankProcess] = []
     for rank in range(topology.world_size):
@@ -82,7 +98,7 @@ def launch(
     return _supervise(procs, topology, grace_s)
 
 
-def _supervise(procs: list[RankProcess], topology: Topology, grace_s: float) -> int:
+def _supervise(procs: list[RankProcess], topology: Topology, grace_s: float) -> JobEnd:
     stopping: list[int] = []
 
     def forward(signum: int, _frame: object) -> None:
@@ -110,9 +126,10 @@ def _supervise(procs: list[RankProcess], topology: Topology, grace_s: float) -> 
                 stuck = [p.rank for p in procs if p.popen.returncode == -signal.SIGKILL and p is not failed]
                 if stuck:
                     print(f"holmes: ranks {stuck} ignored SIGTERM for {grace_s:g} s and were killed", file=sys.stderr)
-                return failed.popen.returncode if failed.popen.returncode > 0 else 128 - failed.popen.returncode
+                code = failed.popen.returncode
+                return JobEnd(code, None) if code > 0 else JobEnd(128 - code, failed.node)
             if all(c is not None for c in codes):
-                return next((c for c in codes if c != 0), 0)
+                return JobEnd(next((c for c in codes if c != 0), 0))
             time.sleep(0.2)
     finally:
         _stop(procs, grace_s)

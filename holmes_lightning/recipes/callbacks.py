@@ -51,6 +51,15 @@ class PausableThroughputMonitor(ThroughputMonitor):
         self.paused_s = paused_s
         self._paused_seen = 0.0
 
+    def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
+        super().on_train_start(trainer, *args)
+        self._paused_seen = self.paused_s()
+
+    def on_validation_start(self, trainer: L.Trainer, *args: Any) -> None:
+        super().on_validation_start(trainer, *args)
+        # Lightning's own shift at validation's end covers everything since the last training step, a save included
+        self._paused_seen = self.paused_s()
+
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         paused = self.paused_s()
         if trainer.is_global_zero:  # the monitor keeps its clocks on rank 0 only

@@ -19,7 +19,8 @@ import json
 import shutil
 import socket
 import uuid
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -336,12 +337,26 @@ def load(
         ) from err
     set_model_state_dict(module, state["state_dict"], options=StateDictOptions(strict=strict))
     for i, optimizer in enumerate(optimizers):
-        set_optimizer_state_dict(module, optimizer, state[f"optimizer_{i}"], options=OPTIONS)
+        with _without_empty_groups(optimizer):
+            set_optimizer_state_dict(module, optimizer, state[f"optimizer_{i}"], options=OPTIONS)
     rng = path / rng_file(rank)
     same_job = saved.world_size == plan.world_size and rng.is_file()
     return torch.load(path / _METADATA_FILENAME, weights_only=False), torch.load(
         rng, weights_only=False
     ) if same_job else None
+
+
+@contextmanager
+def _without_empty_groups(optimizer: Optimizer) -> Iterator[None]:
+    """The optimizer without its param groups that hold none of this rank's parameters (a stage with no bias, say, on
+    another plan than the one that saved), which torch's flattened load cannot take; they come back after it."""
+    groups = list(optimizer.param_groups)
+    optimizer.param_groups[:] = [group for group in groups if group["params"]]
+    try:
+        yield
+    finally:
+        loaded = iter(optimizer.param_groups[:])
+        optimizer.param_groups[:] = [next(loaded) if group["params"] else group for group in groups]
 
 
 def check_resumable(saved: Plan, plan: Plan, path: Path) -> None:
