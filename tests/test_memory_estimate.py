@@ -2,15 +2,16 @@
 and the memory benchmark's planning and verdicts.
 
 The estimate is measured against real runs by `python -m holmes_lightning.bench bench=memory`
-(docs/benchmark/memory.md), not here: a small job's RSS is mostly the process's baseline and allocator noise.
+(docs/benchmark/memory.md), not here: a small job's RSS is mostly the process's baseline and allocator noise
+(tests/test_bench.py runs the activation checkpointing runs small, and compares them with each other).
 """
 
 from dataclasses import replace
 
 import pytest
 
-from holmes_lightning.bench.config import MEMORY_VARIANTS, BenchSettings
-from holmes_lightning.bench.memory import MemoryRow, draw, markdown, meta_profile, plan_memory_variants
+from holmes_lightning.bench.config import AC_VARIANTS, MEMORY_VARIANTS, ActivationsJob, BenchSettings
+from holmes_lightning.bench.memory import MemoryRow, draw, markdown, plan_memory_variants
 from holmes_lightning.cli.config import ConfigError, ModelConfig, StrategyConfig
 from holmes_lightning.planner import BatchSettings, ModelProfile, PlanError, PlanOptions, Sharding, best_plan
 from holmes_lightning.planner.cost import CostModel
@@ -61,24 +62,51 @@ def test_plans_report_the_estimate_of_their_worst_stage_and_the_memory_limit_use
 
 def test_memory_bench_plans_its_runs_and_judges_each_rank(tmp_path):
     model = ModelConfig(name="m", n_layers=4, d_model=64, n_heads=4, seq_len=16)
-    settings = BenchSettings(name="memory", kind="memory", model=model, global_batch=4, variants=list(MEMORY_VARIANTS))
-    profile = meta_profile(model)
-    variants = plan_memory_variants(TOPOLOGY, profile, settings, StrategyConfig(pp=2))
-    assert [(v.plan.pp, v.plan.dp, v.plan.sharding) for v in variants] == [
-        (2, 2, Sharding.fsdp),
-        (2, 2, Sharding.none),
-        (2, 2, Sharding.none),
-    ]
-    common = {"rank": 0, "stage": 0, "layers": "0-2", "stage_state_gb": 1.0, "baseline_gb": 0.4}
+    activations = ActivationsJob(model=replace(model, name="long", seq_len=64), global_batch=8, microbatches=2)
+    variants = [*MEMORY_VARIANTS, *AC_VARIANTS]
+    settings = BenchSettings(
+        name="memory", kind="memory", model=model, global_batch=4, variants=variants, activations=activations
+    )
+    planned = plan_memory_variants(TOPOLOGY, settings, StrategyConfig(pp=2))
+    plans = [p.variant.plan for p in planned]
+    assert [(p.pp, p.dp, p.sharding) for p in plans] == [(2, 2, "fsdp"), (2, 2, "none"), (2, 2, "none")] + [
+        (2, 2, "fsdp")
+    ] * 3
+    assert [p.stages[0].checkpointing for p in plans[3:]] == ["off", "full", "selective"]
+    assert {(p.global_batch, p.microbatches) for p in plans[3:]} == {(8, 2)}  # pinned: only checkpointing differs
+    assert {p.trained.model.seq_len for p in planned} == {16, 64}
+    off, full, selective = (p.stages[0].memory_gb for p in plans[3:])
+    assert full < selective < off
+
+    common = {"rank": 0, "stage": 0, "layers": "0-2", "stage_state_gb": 1.0, "baseline_gb": 0.4, "code_gb": 0.02}
     rows = [
-        MemoryRow(variant="memory_fsdp", estimate_gb=1.1, peak_gb=1.6, **common),  # model 1.2: 1.2x state, -8%
-        MemoryRow(variant="memory_replicas", estimate_gb=1.0, peak_gb=1.8, **common),  # model 1.4: above 1.25x
-        MemoryRow(variant="memory_eager", estimate_gb=1.0, peak_gb=2.4, **common),  # before: no verdict
+        MemoryRow(variant="memory_fsdp", estimate_gb=1.1, peak_gb=1.62, **common),  # model 1.2: 1.2x state, -8%
+        MemoryRow(variant="memory_replicas", estimate_gb=1.0, peak_gb=1.82, **common),  # model 1.4: above 1.25x
+        MemoryRow(variant="memory_eager", estimate_gb=1.0, peak_gb=2.42, **common),  # before: no verdict
+        MemoryRow(
+            variant="memory_fsdp_ac_off",
+            estimate_gb=3.2,
+            peak_gb=3.42,
+            checkpointing="off",
+            losses=(5.5, 5.0),
+            **common,
+        ),
+        MemoryRow(
+            variant="memory_fsdp_ac_full",
+            estimate_gb=1.0,
+            peak_gb=1.72,
+            checkpointing="full",
+            losses=(5.5, 4.9),
+            **common,
+        ),
     ]
     assert [row.meets_targets for row in rows[:2]] == [True, False]
-    context = {"bench": "memory", "model": "m", "param_gb": 0.01, "global_batch": 4, "steps": "3 steps"}
-    table = markdown(rows, variants, {**context, "cluster": "two_cluster_mixed"})
+    assert [row.meets_targets for row in rows[3:]] == [True, False]  # 3.2 / 3.0: +7%; 1.0 / 1.3: -23%
+    table = markdown(rows, planned, {"bench": "memory", "cluster": "two_cluster_mixed"})
     assert "| met |" in table and "| NOT met |" in table and "n/a (before)" in table and "1/2 ranks" in table
+    assert "## Activation checkpointing" in table and "1/2 ranks -> NOT met" in table
+    assert "full / off, model memory per rank: measured 0.43; estimated 0.31. Losses per step 5.5000, 4.9000" in table
+    assert "largest difference to off's on any rank: 1.0e-01" in table
     draw(tmp_path / "memory.png", rows)
     assert (tmp_path / "memory.png").stat().st_size > 10_000
 
@@ -88,3 +116,7 @@ def test_memory_bench_runs_only_memory_variants():
         BenchSettings(kind="memory")  # the speed variants by default
     with pytest.raises(ConfigError, match="bench.kind"):
         BenchSettings(kind="size")
+    with pytest.raises(ConfigError, match="bench.activations"):
+        BenchSettings(kind="memory", variants=["memory_fsdp_ac_full"])  # AC runs train their own job
+    with pytest.raises(ConfigError, match="bench.activations.microbatches"):
+        ActivationsJob(microbatches=0)

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from holmes_lightning.cli.config import ModelConfig
 from holmes_lightning.measure import profile_modules
@@ -56,3 +57,21 @@ def test_analytic_gpt_7_5b_size():
     )
     assert profile.param_bytes / 2 == pytest.approx(7.66e9, rel=0.01)  # bf16 weights of ~7.7B parameters
     assert profile.flops_per_sample == pytest.approx(6 * 7.66e9 * 2048, rel=0.1)  # ~6 N per token
+
+
+def test_a_model_on_meta_keeps_for_backward_what_its_fused_attention_keeps():
+    """On meta, attention takes torch's math path, which keeps the s x s probabilities for backward; the profile counts
+    what CPU's fused kernel keeps (as CUDA's do), so a model built on meta is planned with the memory it runs with."""
+    shape = {**SHAPE, "seq_len": 128}
+    sample = torch.randint(0, 256, (2, 128))
+    with torch.device("meta"):
+        on_meta = profile_modules(GPT(**shape).pipeline_layers(), sample)
+    on_cpu = profile_modules(GPT(**shape).pipeline_layers(), sample)
+    assert [la.stash_bytes for la in on_meta.layers] == [la.stash_bytes for la in on_cpu.layers]
+    with sdpa_kernel(SDPBackend.MATH):
+        math_path = profile_modules(GPT(**shape).pipeline_layers(), sample)
+    s, h, heads = 128, SHAPE["d_model"], SHAPE["n_heads"]
+    probabilities = heads * s * s * 4  # fp32, per sequence: what the math path keeps beyond the fused kernel
+    assert math_path.layers[1].stash_bytes - on_meta.layers[1].stash_bytes == pytest.approx(probabilities, rel=0.01)
+    attention_scores = 4 * s * s * h  # FLOPs: meta counts the math path's matmuls, CPU's fused kernel none
+    assert on_meta.layers[1].forward_flops == on_cpu.layers[1].forward_flops + attention_scores

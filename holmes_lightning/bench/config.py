@@ -13,10 +13,11 @@ from holmes_lightning.topology.spec import ClusterSpec
 VARIANTS = ("holmes_hybrid", "holmes_homogeneous", "fsdp", "ddp", "nic_unaware", "holmes_unequal", "uniform_unequal")
 FREE_CHOICE = "holmes_free"  # Holmes with no degree, partition or sharding pinned (bench=paper_regime runs it too)
 MEMORY_VARIANTS = ("memory_fsdp", "memory_replicas", "memory_eager")
+AC_VARIANTS = ("memory_fsdp_ac_off", "memory_fsdp_ac_full", "memory_fsdp_ac_selective")  # bench.activations' job
 OVERHEAD_VARIANTS = ("plain", "holmes")
 KINDS = {
     "speed": (*VARIANTS, FREE_CHOICE),
-    "memory": MEMORY_VARIANTS,
+    "memory": (*MEMORY_VARIANTS, *AC_VARIANTS),
     "overhead": OVERHEAD_VARIANTS,
     "regret": tuple(shipped_cluster_names()),
 }
@@ -70,11 +71,28 @@ class RegimeMatch:
 
 
 @dataclass
+class ActivationsJob:
+    """The memory bench's activation checkpointing runs (`AC_VARIANTS`): a GPT whose activations outweigh its weights'
+    state, `global_batch` sequences per step in `microbatches` micro-batches (pinned: the runs differ only in what
+    they checkpoint)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    global_batch: int = 8
+    microbatches: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch", "microbatches"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"bench.activations.{name}={getattr(self, name)!r}: must be > 0")
+
+
+@dataclass
 class BenchSettings:
     """One benchmark size: the model, batch and steps every variant runs, and how the cost model is calibrated.
 
     `kind`: "speed" (step times in the lab, `VARIANTS` and `FREE_CHOICE`), "memory" (each rank's peak memory next to
-    the planner's estimate, on loopback, `MEMORY_VARIANTS`), "overhead" (HolmesStrategy on one device against plain
+    the planner's estimate, on loopback: `MEMORY_VARIANTS` train `model`, `AC_VARIANTS` the `activations` job with
+    activation checkpointing off, full and selective), "overhead" (HolmesStrategy on one device against plain
     Lightning, alternated `repeats` times, `bench.overhead`) or "regret" (every configuration of a small job on each
     shipped cluster config named in `variants`, measured, against the planner's choice; `bench.regret`).
     `match`: derive the model, global batch and bandwidth scale from a reference setting instead (`RegimeMatch`).
@@ -107,6 +125,7 @@ class BenchSettings:
     prediction_tolerance: float = 0.15
     match: RegimeMatch | None = None
     hf_model: HFModelConfig | None = None
+    activations: ActivationsJob | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -135,6 +154,11 @@ class BenchSettings:
             raise ConfigError(
                 f"bench.hf_model with bench.kind={self.kind}{' and bench.match' if self.match else ''}: this bench "
                 f"sizes the recipe's GPT; drop bench.hf_model (bench=hf, bench=overhead and bench=regret take it)"
+            )
+        if self.activations is None and set(self.variants) & set(AC_VARIANTS):
+            raise ConfigError(
+                f"bench.variants={list(self.variants)!r}: the activation checkpointing runs train bench.activations "
+                f"(model, global_batch, microbatches); give it, as conf/bench/memory.yaml does"
             )
         if self.calibration_seconds < 0:
             raise ConfigError(f"bench.calibration_seconds={self.calibration_seconds!r}: must be >= 0, e.g. 1.5")

@@ -37,6 +37,9 @@ LABELS = {
     "memory_fsdp": "Holmes FSDP, built on meta",
     "memory_replicas": "Holmes replicas, built on meta",
     "memory_eager": "Holmes replicas, built whole on every rank",
+    "memory_fsdp_ac_off": "Holmes FSDP, no activation checkpointing",
+    "memory_fsdp_ac_full": "Holmes FSDP, every layer checkpointed",
+    "memory_fsdp_ac_selective": "Holmes FSDP, every other layer checkpointed",
 }
 HYBRID_RUNS = ("holmes_hybrid", "holmes_homogeneous", "nic_unaware", "fsdp", "ddp", FREE_CHOICE)
 UNEQUAL_RUNS = ("holmes_unequal", "uniform_unequal")

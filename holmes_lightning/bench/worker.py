@@ -3,9 +3,10 @@
 For each of the spec's runs in turn (`spec["runs"]`: name, strategy and, for Holmes, the plan), trains the spec's
 model (`bench.model.BenchModel`: the recipe's GPT, or an HF causal LM on dict batches) on the byte corpus for the
 given steps under a fresh Trainer; writes this rank's step times per run (seconds between consecutive ends of a
-training step) to `rank<N>.json` in the spec's folder, with its resident memory just before the first model is built
-(`baseline_rss_bytes`) and at its peak. `spec["meta"]`: build the model under
-`trainer.init_module(empty_init=True)` (HolmesStrategy then allocates only this rank's stage).
+training step) and losses to `rank<N>.json` in the spec's folder, with its resident memory just before the first model
+is built (`baseline_rss_bytes`) and at its peak, and the part of it mapped from files (libraries' code) then and at
+the end. `spec["meta"]`: build the model under `trainer.init_module(empty_init=True)` (HolmesStrategy then allocates
+only this rank's stage).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Mapping
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -24,7 +26,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 
 from holmes_lightning.bench.model import BenchModel
-from holmes_lightning.measure import peak_resident_bytes, resident_bytes
+from holmes_lightning.measure import file_resident_bytes, peak_resident_bytes, resident_bytes
 from holmes_lightning.planner import Plan
 from holmes_lightning.recipes import ByteCorpusDataModule
 from holmes_lightning.runtime import HolmesStrategy
@@ -33,7 +35,8 @@ from holmes_lightning.topology import Topology
 
 
 class StepTimer(Callback):
-    """Wall time of every training step on this rank; rank 0 prints each as it ends, so long runs show progress."""
+    """Wall time and loss of every training step on this rank; rank 0 prints each as it ends, so long runs show
+    progress."""
 
     def __init__(self, label: str, steps: int, trace_step: int | None, trace_path: Path) -> None:
         self.label = label
@@ -41,6 +44,7 @@ class StepTimer(Callback):
         self.trace_step = trace_step
         self.trace_path = trace_path
         self.seconds: list[float] = []
+        self.losses: list[float] = []
         self.first_step_at = 0.0
         self._last = 0.0
         self._profiler: torch.profiler.profile | None = None
@@ -52,10 +56,11 @@ class StepTimer(Callback):
             self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
             self._profiler.start()
 
-    def on_train_batch_end(self, trainer: L.Trainer, *_args: Any) -> None:
+    def on_train_batch_end(self, trainer: L.Trainer, _module: L.LightningModule, outputs: Any, *_args: Any) -> None:
         now = time.perf_counter()
         self.seconds.append(now - self._last)
         self._last = now
+        self.losses.append(float(outputs["loss"] if isinstance(outputs, Mapping) else outputs))
         if self._profiler is not None:
             self._profiler.stop()
             self._profiler.export_chrome_trace(str(self.trace_path))
@@ -89,8 +94,8 @@ def make_strategy(run: dict, topology: Topology, timeout_s: float) -> Strategy:
 
 
 def train(spec: dict, run: dict, topology: Topology, rank: int) -> dict:
-    """Train one run (a fresh Trainer, strategy and model, the same data) and return this rank's step times and the
-    seconds from the start of the run to its first step (`setup_s`: Trainer, process groups, model, data)."""
+    """Train one run (a fresh Trainer, strategy and model, the same data) and return this rank's step times, losses and
+    the seconds from the start of the run to its first step (`setup_s`: Trainer, process groups, model, data)."""
     started = time.perf_counter()
     out = Path(spec["out_dir"])
     L.seed_everything(spec["seed"], workers=True)
@@ -114,7 +119,7 @@ def train(spec: dict, run: dict, topology: Topology, rank: int) -> dict:
         callbacks=[timer],
         default_root_dir=str(out),
     )
-    before_model = resident_bytes()
+    before_model, files_before_model = resident_bytes(), file_resident_bytes()
     with trainer.init_module(empty_init=True) if spec.get("meta") else nullcontext():
         model = trained.build(flat_fsdp=run["strategy"] == "fsdp")
     trainer.fit(model, datamodule=data)
@@ -126,9 +131,11 @@ def train(spec: dict, run: dict, topology: Topology, rank: int) -> dict:
     return {
         "name": run["name"],
         "step_s": timer.seconds,
+        "loss": timer.losses,
         "setup_s": setup_s,
         "stage": stage,
         "rss_before_model_bytes": before_model,
+        "file_rss_before_model_bytes": files_before_model,
     }
 
 
@@ -137,8 +144,14 @@ def main(spec: dict) -> None:
     rank = default_environment().global_rank()
     topology = Topology.from_dict(spec["topology"])
     runs = [train(spec, run, topology, rank) for run in spec["runs"]]
-    baseline = runs[0]["rss_before_model_bytes"]
-    result = {"rank": rank, "runs": runs, "baseline_rss_bytes": baseline, "peak_rss_bytes": peak_resident_bytes()}
+    result = {
+        "rank": rank,
+        "runs": runs,
+        "baseline_rss_bytes": runs[0]["rss_before_model_bytes"],
+        "peak_rss_bytes": peak_resident_bytes(),
+        "baseline_file_rss_bytes": runs[0]["file_rss_before_model_bytes"],
+        "end_file_rss_bytes": file_resident_bytes(),
+    }
     (Path(spec["out_dir"]) / f"rank{rank}.json").write_text(json.dumps(result))
 
 

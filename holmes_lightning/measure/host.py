@@ -57,6 +57,13 @@ def resident_bytes() -> int:
     return resident_pages * os.sysconf("SC_PAGE_SIZE")
 
 
+def file_resident_bytes() -> int:
+    """The part of `resident_bytes` mapped from files: the code and data of loaded libraries, which a process pages
+    in as it first runs them (statm's shared pages: RssFile + RssShmem)."""
+    shared_pages = int(Path("/proc/self/statm").read_text().split()[2])
+    return shared_pages * os.sysconf("SC_PAGE_SIZE")
+
+
 def peak_resident_bytes() -> int:
     """The most resident memory this process has held so far, or since `restart_peak_resident` (Linux reports
     kilobytes)."""
