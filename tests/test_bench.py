@@ -251,7 +251,8 @@ def test_the_memory_bench_measures_checkpointing_lower_with_the_same_losses(tmp_
         warmup_steps=1,
         measured_steps=1,  # the second step's peak holds AdamW's states
     )
-    rows, table = run_memory_bench(Topology.from_config("two_cluster_mixed"), settings, StrategyConfig(pp=2), tmp_path)
+    requested = StrategyConfig(pp=2, partition=[3, 3])  # two blocks a stage: activations on every rank
+    rows, table = run_memory_bench(Topology.from_config("two_cluster_mixed"), settings, requested, tmp_path)
     runs = {(row.checkpointing, row.rank): row for row in rows}
     assert sorted(runs) == [(mode, rank) for mode in ("full", "off") for rank in range(4)]
     for rank in range(4):

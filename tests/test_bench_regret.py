@@ -12,6 +12,7 @@ from holmes_lightning.bench.regret import ClusterRegret, Row, configurations, ra
 from holmes_lightning.bench.variants import on_gloo
 from holmes_lightning.cli.config import ModelConfig
 from holmes_lightning.planner import MachineCosts, PlanOptions
+from holmes_lightning.planner.choice import STEP_TOLERANCE
 from holmes_lightning.topology import Topology
 
 
@@ -69,7 +70,7 @@ def test_the_choice_is_ranked_by_measured_step_against_the_fastest():
 
 
 @pytest.mark.parametrize("cluster", ["two_cluster_mixed", "three_cluster"])
-def test_every_configuration_is_distinct_and_none_is_predicted_faster_than_the_choice(cluster):
+def test_every_configuration_is_distinct_and_none_is_predicted_much_faster_than_the_choice(cluster):
     model = ModelConfig(n_layers=6, d_model=64, n_heads=4, seq_len=32)
     profile = BenchModel(gpt=model).profile()
     topology = Topology.from_config(cluster)
@@ -92,4 +93,4 @@ def test_every_configuration_is_distinct_and_none_is_predicted_faster_than_the_c
     assert {p.sharding for p in plans.values()} == {"none", "fsdp"}
     assert {p.pp * p.dp for p in plans.values()} == {topology.world_size}
     best = min(p.prediction.total_s for p in plans.values())
-    assert plans[chosen].prediction.total_s <= best * (1 + 1e-9)
+    assert plans[chosen].prediction.total_s < best * (1 + STEP_TOLERANCE)  # within it, the least memory is chosen

@@ -194,7 +194,8 @@ def one_rank_pipeline() -> dict[str, Any]:
 @pytest.mark.slow
 def test_two_virtual_stages_on_one_device_match_plain_training() -> None:
     (result,) = run_ranks("test_strategy:one_rank_pipeline", cluster=ONE_RANK, timeout_s=180)
-    assert result["chunks"] == [[[0, 3], [3, 6]]]
+    ((first, second),) = result["chunks"]  # one rank, two chunks: the planner's split of the six layers
+    assert first[0] == 0 and first[1] == second[0] and second[1] == 6
     L.seed_everything(SEED)
     loader = tiny_loader(STEPS_PER_EPOCH * GLOBAL_BATCH, GLOBAL_BATCH, single_process_seed=SEED)
     val_loader = tiny_loader(GLOBAL_BATCH, GLOBAL_BATCH, shuffle=False)

@@ -16,7 +16,7 @@ from test_train_sources import TEXT, pretrained_llama
 
 SUMMARY_WITHOUT_FLOPS = re.compile(
     r"holmes: (\d+) steps, train loss ([\d.]+) -> ([\d.]+) \| ([\d,]+) tokens/s \(predicted [\d,]+: measured / "
-    r"predicted [\d.]+\) without validation and checkpoint saves\n"
+    r"predicted [\d.]+\) without validation and checkpoint saves \| peak memory per rank"
 )
 USER_PACKAGE = '''
 import lightning as L

@@ -9,7 +9,7 @@ one process per rank on loopback (link speeds do not change memory).
   (FSDP: its shard of it); `memory_eager` builds it whole on every rank first, as before meta-device support.
 - Activations (`AC_VARIANTS`): `bench.activations`' GPT, narrow and long (16 x 256, seq 512), whose activations
   outweigh its weights' state, trained with FSDP and activation checkpointing off, full and selective, at pinned
-  micro-batches so that the three runs differ only in what they checkpoint.
+  micro-batches and off's split so that the three runs differ only in what they checkpoint.
 
 Each rank reports its resident memory just before the model is built (the baseline: interpreter, torch, Lightning,
 the Trainer, the same for any model) and its peak, and how much of it is mapped from files at both ends: the code of
@@ -177,14 +177,20 @@ def plan_memory_variants(hybrid: Topology, settings: BenchSettings, requested: S
     """Every requested memory variant with the plan the planner makes for it (each job profiled once, on meta)."""
     costs = requested.machine_costs()
     profiles: dict[bool, ModelProfile] = {}
+    split: tuple[int, ...] | None = None  # the AC runs all take the split off's plan takes: only checkpointing differs
     planned = []
     for name in settings.variants:
         trained, job = trained_by(name, settings), activations_job(name, settings) is not None
         if job not in profiles:
             profiles[job] = meta_profile(trained.model)
-        plan = best_plan(
-            hybrid, profiles[job], batch_of(name, settings), options=options_of(name, requested), costs=costs
-        )
+        batch, options = batch_of(name, settings), options_of(name, requested)
+        if job:
+            if split is None:
+                keeping = replace(options, activation_checkpointing=Checkpointing.off)
+                off = best_plan(hybrid, profiles[job], batch, options=keeping, costs=costs)
+                split = tuple(len(stage.layers) for stage in off.stages)
+            options = replace(options, partition=split)
+        plan = best_plan(hybrid, profiles[job], batch, options=options, costs=costs)
         planned.append(MemoryVariant(Variant(name, "holmes", hybrid, plan), trained, profiles[job]))
     return planned
 
