@@ -157,6 +157,7 @@ def make_strategy(config: TrainConfig, topology: Topology, timeout_s: float) -> 
         options=settings.settings(),
         calibrate=settings.calibrate,
         costs=settings.machine_costs(),
+        replan=settings.replan,
         timeout=timeout_s,
     )
 

@@ -155,5 +155,6 @@ def test_sigterm_to_train_py_checkpoints_and_resume_auto_continues(tmp_path: Pat
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err[-3000:]
     assert f"resuming from {tmp_path / 'checkpoints' / f'step_{step:06d}.ckpt'}" in out
+    assert "holmes: running the plan stored with checkpoint" in out + err  # same nodes and settings: same plan
     assert re.search(rf"holmes: {end - step} steps, train loss", out), out[-3000:]
     assert checkpoint.latest(tmp_path / "checkpoints") == tmp_path / "checkpoints" / f"step_{end:06d}.ckpt"

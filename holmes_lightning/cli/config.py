@@ -141,13 +141,15 @@ MachineCostsConfig = _editable(MachineCosts)  # `strategy.costs.latency_s=...`: 
 @dataclass
 class StrategyConfig(PlanOptions):
     """HolmesStrategy's settings: what to plan (`PlanOptions`), the micro-batch count, whether to calibrate the cost
-    model on this machine at start (`HolmesStrategy(calibrate=...)`), the collective timeout, and the machine's costs
+    model on this machine at start (`HolmesStrategy(calibrate=...)`), the collective timeout, the machine's costs
     where they are not calibrated (`strategy.costs`, `MachineCosts`: all of them with `calibrate=false`, else those
-    calibration does not measure, such as `dp_overlap`)."""
+    calibration does not measure, such as `dp_overlap`), and whether a resume plans afresh (`replan=true`) instead of
+    running its checkpoint's plan again (`HolmesStrategy(replan=...)`)."""
 
     partition: Any = "auto"  # "auto", "uniform" or a list of layer counts (Hydra takes no union of str and list)
     microbatches: int | None = None
     calibrate: bool = True
+    replan: bool = False
     timeout_s: float | None = None  # null: 120 s for ranks train.py starts on this machine, 30 min under torchrun/SLURM
     costs: MachineCostsConfig = field(default_factory=MachineCostsConfig)
 

@@ -6,8 +6,9 @@ from holmes_lightning.planner.plan_types import Plan, StagePlan
 from holmes_lightning.planner.profile import ModelProfile
 
 
-def format_plan(plan: Plan, profile: ModelProfile) -> str:
-    """Rank map, stages with their layers, groups with NIC kind and link speed, and the predicted step."""
+def format_plan(plan: Plan, profile: ModelProfile | None = None) -> str:
+    """Rank map, stages with their layers (named after `profile`'s, numbered only without it), groups with NIC kind
+    and link speed, and the predicted step."""
     p = plan.prediction
     lines = [
         f"{plan.layout} plan: pp={plan.pp} x dp={plan.dp}, {plan.schedule}, {plan.microbatches} micro-batches of "
@@ -76,7 +77,9 @@ def fabric_label(stage: StagePlan) -> str:
     return f"{','.join(stage.clusters)}/{','.join(nic.value for nic in stage.nics)}"
 
 
-def _layer_range(profile: ModelProfile, start: int, stop: int) -> str:
+def _layer_range(profile: ModelProfile | None, start: int, stop: int) -> str:
+    if profile is None:
+        return f"{start}-{stop - 1}"
     first, last = profile.layers[start].name, profile.layers[stop - 1].name
     names = first if stop - start == 1 else f"{first}..{last}"
     return f"{start}-{stop - 1} ({names})"

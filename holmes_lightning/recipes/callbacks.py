@@ -74,7 +74,8 @@ class RunSummary(Callback):
 
     Throughput leaves out validation and checkpoint saves (`throughput_monitor`); their seconds follow it.
     MFU is against the calibrated peak: what one rank of this machine computes on this model's layers at full batch
-    (`HolmesStrategy.calibration`, measured at job start), not a datasheet number; without a calibration there is none.
+    (`HolmesStrategy.calibration`, measured at job start), not a datasheet number; without a calibration there is none
+    (`calibrate=False`, or a resume that runs its checkpoint's plan again and so calibrates nothing).
     Peak memory is what the planner estimates, training's above the process's own: on a GPU the allocator's peak, on
     CPU the peak resident memory above the rank's at `setup` (before the model is materialised).
     """

@@ -1,7 +1,9 @@
 """Sharded checkpoints with torch.distributed.checkpoint: each rank writes its own stage's shards, published atomically.
 
 A checkpoint is a directory: DCP's shards and `.metadata`, Lightning's loop/callback state in `meta.pt`, the
-`plan.json` that wrote it, each rank's random-number state in `rng_rank<N>.pt`, and `complete.json`, written last.
+`plan.json` that wrote it (with what that plan was made for under `made_for`, so a resume on the same nodes can run
+it again: `runtime.stored_plan`), each rank's random-number state in `rng_rank<N>.pt`, and `complete.json`, written
+last.
 Everything is written into a hidden staging directory that is renamed to the checkpoint's name only once every rank
 finished, so a crash while saving leaves the checkpoints already published untouched. Parameters and optimizer state
 are keyed by their names in the LightningModule (the optimizer state flattened per parameter), so a stage's keys are
@@ -43,6 +45,7 @@ from torch.optim import Optimizer
 from holmes_lightning.planner import Plan
 
 PLAN_FILE = "plan.json"
+MADE_FOR = "made_for"  # plan.json's key for what the plan was made for; Plan.from_json ignores it
 COMPLETE_FILE = "complete.json"
 DCP_METADATA_FILE = ".metadata"
 DIGEST = "sha256"
@@ -65,8 +68,12 @@ def rng_file(rank: int) -> str:
     return f"rng_rank{rank}.pt"
 
 
-def save(checkpoint: dict[str, Any], path: Path, *, plan: Plan, rank: int) -> None:
-    """Write into a hidden staging directory next to `path`, then rename it to `path` (every rank calls this)."""
+def save(
+    checkpoint: dict[str, Any], path: Path, *, plan: Plan, rank: int, made_for: Mapping[str, Any] | None = None
+) -> None:
+    """Write into a hidden staging directory next to `path`, then rename it to `path` (every rank calls this).
+
+    `made_for`: what `plan` was made for (`stored_plan.PlanBasis.to_dict()`), written into plan.json beside it."""
     staging = _hidden(path, "partial")
     if rank == 0:
         for stale in path.parent.glob(".*.partial"):  # left by a save that crashed; one job writes a directory
@@ -85,7 +92,7 @@ def save(checkpoint: dict[str, Any], path: Path, *, plan: Plan, rank: int) -> No
     }
     if rank == 0:
         torch.save(checkpoint, staging / _METADATA_FILENAME)
-        (staging / PLAN_FILE).write_text(plan.to_json())
+        (staging / PLAN_FILE).write_text(plan_json(plan, made_for))
         digests.update(_digests(staging, [_METADATA_FILENAME, PLAN_FILE]))
         step, epoch = checkpoint.get("global_step"), checkpoint.get("epoch")
         summary = {
@@ -97,6 +104,20 @@ def save(checkpoint: dict[str, Any], path: Path, *, plan: Plan, rank: int) -> No
         (staging / COMPLETE_FILE).write_text(json.dumps(summary))  # last: a directory without it is not a checkpoint
         _publish(staging, path)
     _barrier()
+
+
+def plan_json(plan: Plan, made_for: Mapping[str, Any] | None) -> str:
+    """plan.json's text: the plan, and under `MADE_FOR` what it was made for (if known)."""
+    data = json.loads(plan.to_json())
+    if made_for is not None:
+        data[MADE_FOR] = made_for
+    return json.dumps(data, indent=2)
+
+
+def stored_plan(path: str | Path) -> tuple[Plan, dict[str, Any] | None]:
+    """The plan a checkpoint was saved on, and what it was made for (None: a checkpoint saved before that was kept)."""
+    text = (Path(path) / PLAN_FILE).read_text()
+    return Plan.from_json(text), json.loads(text).get(MADE_FOR)
 
 
 def _barrier() -> None:

@@ -3,6 +3,8 @@
 Rank 0 reads one sample of the model's inputs, profiles `pipeline_layers()` on it, calibrates this machine on them
 (`measure.calibration`; what needs every rank, a message between two and a step's closing collectives, is timed by
 all of them first) and plans for the job's Topology; every rank gets the plan and the calibration, or rank 0's error.
+A resume first asks whether its checkpoint's plan fits this job unchanged (`plan_reuse`): then rank 0 sends every rank
+that plan, and nothing is read, profiled or calibrated.
 """
 
 from __future__ import annotations
@@ -10,8 +12,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import asdict, dataclass, replace
+from typing import Any, TypeVar, cast
 
 import lightning.pytorch as pl
 import torch
@@ -19,6 +21,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.trainer.states import TrainerFn
 
+import holmes_lightning.runtime.checkpoint as checkpoint
 from holmes_lightning.measure import calibration
 from holmes_lightning.measure.calibration import Calibration
 from holmes_lightning.measure.host import available_cores, rank_share, training_memory_gb
@@ -41,6 +44,7 @@ from holmes_lightning.planner import (
 from holmes_lightning.planner.report import format_plan
 from holmes_lightning.runtime.contract import Inputs, dict_inputs, missing_contract, prediction_inputs, split_batch
 from holmes_lightning.runtime.placement import host_position
+from holmes_lightning.runtime.plan_reuse import PlanBasis, digest, replan_reasons
 from holmes_lightning.runtime.preemption import HolmesCheckpoint
 from holmes_lightning.topology import Topology
 
@@ -50,12 +54,14 @@ LOOPS = {
     TrainerFn.TESTING: ("test_loop", "test_dataloader"),
     TrainerFn.PREDICTING: ("predict_loop", "predict_dataloader"),
 }
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class PlanRequest:
     """What HolmesStrategy was asked for: plan settings, the batch, the machine's costs where it does not calibrate
-    them, whether to calibrate (in the Trainer's `precision`), and a plan or profile given instead of made."""
+    them, whether to calibrate (in the Trainer's `precision`), a plan or profile given instead of made, and whether a
+    resume plans afresh (`replan`) rather than run its checkpoint's plan again."""
 
     options: PlanOptions
     batch: BatchSettings | None
@@ -64,6 +70,23 @@ class PlanRequest:
     plan: Plan | None = None
     profile: ModelProfile | None = None
     precision: str = "32-true"
+    replan: bool = False
+
+    def fixed_settings(self, backend: Backend) -> dict[str, Any]:
+        """Everything asked for that fixes a plan whatever the machine measures: the plan settings (with the job's
+        collective library), the batch, the precision, whether to calibrate, the given costs, the given profile (a
+        digest) and whether the plan itself was given. Not `replan`: it says only whether to reuse a stored plan."""
+        batch = self.batch
+        return {
+            **asdict(replace(self.options.settings(), backend=backend)),
+            "global_batch": None if batch is None else batch.global_batch,
+            "microbatches": None if batch is None else batch.microbatches,
+            "precision": self.precision,
+            "calibrate": self.calibrate,
+            "costs": asdict(self.costs),
+            "profile": None if self.profile is None else digest(asdict(self.profile)),
+            "given_plan": self.plan is not None,
+        }
 
 
 @dataclass
@@ -84,11 +107,21 @@ class DataSample:
 
 @dataclass(frozen=True)
 class AgreedPlan:
-    """The job's plan, what calibration measured for it (None: not calibrated), and both in words for the log."""
+    """The job's plan, what calibration measured for it (None: not calibrated), both in words for the log, and what
+    the plan was made for (the checkpoints' record of it)."""
 
     plan: Plan
     calibration: Calibration | None
     description: str
+    made_for: PlanBasis
+
+
+@dataclass(frozen=True)
+class StoredPlanVerdict:
+    """Whether a resume runs its checkpoint's `plan` again (None: it plans afresh), and the log line that says why."""
+
+    plan: Plan | None
+    line: str
 
 
 @dataclass(frozen=True)
@@ -109,31 +142,133 @@ def agree_on_plan(
     trainer: pl.Trainer,
     place: JobPlace,
     reading_data: Callable[[], AbstractContextManager[SampleReading]],
+    resuming: str | None = None,
 ) -> AgreedPlan:
     """Every rank calls it; all return rank 0's plan and calibration, or raise rank 0's error.
 
     `reading_data`: entered while rank 0 reads one sample of the user's DataLoader (the strategy's data split must
-    answer then, before there is a plan).
+    answer then, before there is a plan). `resuming`: the checkpoint the run restores after setup (rank 0's counts):
+    its plan runs again, uncalibrated, where nothing that fixes a plan changed (`plan_reuse`).
     """
+    made_for = PlanBasis.of(place.topology, request.fixed_settings(place.backend))
+    verdict = _from_rank_zero(
+        lambda: _judge_stored_plan(
+            request, trainer=trainer, place=place, reading_data=reading_data, made_for=made_for, resuming=resuming
+        ),
+        place,
+    )
+    if verdict is not None and verdict.plan is not None:
+        return AgreedPlan(verdict.plan, None, f"{verdict.line}\n{format_plan(verdict.plan)}", made_for)
+    agreed = _agree_on_a_new_plan(request, trainer=trainer, place=place, reading_data=reading_data, made_for=made_for)
+    return agreed if verdict is None else replace(agreed, description=f"{verdict.line}\n{agreed.description}")
+
+
+def _agree_on_a_new_plan(
+    request: PlanRequest,
+    *,
+    trainer: pl.Trainer,
+    place: JobPlace,
+    reading_data: Callable[[], AbstractContextManager[SampleReading]],
+    made_for: PlanBasis,
+) -> AgreedPlan:
+    """Calibrate (every rank the collective part, rank 0 the rest) and plan on rank 0; every rank gets the result."""
     module = trainer.lightning_module
     calibrating = request.calibrate and request.plan is None and not missing_contract(module)
     together = _measured_together(trainer, place) if calibrating else {}
     alone = dist.new_group([0]) if calibrating else None  # FSDP2 is timed on a group of rank 0 alone
-    outcome: AgreedPlan | Exception | None = None
+    try:
+        return _from_rank_zero(
+            lambda: _plan_on_rank_zero(
+                request,
+                trainer=trainer,
+                place=place,
+                reading_data=reading_data,
+                together=together,
+                group=alone,
+                made_for=made_for,
+            ),
+            place,
+        )
+    finally:
+        if alone is not None and dist.get_rank() == 0:
+            dist.destroy_process_group(alone)
+
+
+def _from_rank_zero(make: Callable[[], T], place: JobPlace) -> T:
+    """`make()` run on rank 0, its result on every rank; its error raised on every rank."""
+    outcome: T | Exception | None = None
     if dist.get_rank() == 0:
         try:
-            outcome = _plan_on_rank_zero(
-                request, trainer=trainer, place=place, reading_data=reading_data, together=together, group=alone
-            )
-        except Exception as error:  # any failure must reach the other ranks, or they wait for the plan forever
+            outcome = make()
+        except Exception as error:  # any failure must reach the other ranks, or they wait for rank 0 forever
             outcome = error
     outcome = place.broadcast(outcome)
-    if alone is not None and dist.get_rank() == 0:
-        dist.destroy_process_group(alone)
     if isinstance(outcome, Exception):
         raise outcome
-    assert outcome is not None
-    return outcome
+    return cast(T, outcome)
+
+
+def _judge_stored_plan(
+    request: PlanRequest,
+    *,
+    trainer: pl.Trainer,
+    place: JobPlace,
+    reading_data: Callable[[], AbstractContextManager[SampleReading]],
+    made_for: PlanBasis,
+    resuming: str | None,
+) -> StoredPlanVerdict | None:
+    """On rank 0: may the resume from `resuming` run its checkpoint's plan again (None: no resume, or a given plan)?
+
+    An unreadable plan.json means a new plan here; the checkpoint's load then says what is wrong with it.
+    """
+    if resuming is None or request.plan is not None:
+        return None
+    stored = f"the plan stored with checkpoint {resuming}"
+    if request.replan:
+        return StoredPlanVerdict(None, f"holmes: a new plan, not {stored}: replan=True")
+    try:
+        saved, saved_for = checkpoint.stored_plan(resuming)
+    except Exception as error:  # missing, truncated or foreign: not a plan to run
+        return StoredPlanVerdict(None, f"holmes: a new plan: no readable plan in {resuming} ({error})")
+    module = trainer.lightning_module
+    replica_batch = None
+    if request.batch is None and not missing_contract(module):  # the DataLoader's batch size fixed the plan's batch
+        replica_batch = _loader_batch_size(trainer, reading_data)
+    reasons = replan_reasons(
+        saved,
+        saved_for,
+        current=made_for,
+        world_size=place.topology.world_size,
+        num_layers=_layer_count(module, request),
+        replica_batch=replica_batch,
+    )
+    if reasons:
+        return StoredPlanVerdict(None, f"holmes: a new plan, not {stored}: {'; '.join(reasons)}")
+    return StoredPlanVerdict(
+        saved,
+        f"holmes: running {stored} again (same cluster, model and plan settings; nothing calibrated): "
+        f"replan=True (train.py: strategy.replan=true) makes a new one",
+    )
+
+
+def _layer_count(module: pl.LightningModule, request: PlanRequest) -> int:
+    """The pipeline layers a plan for this model splits: the given profile's, else `pipeline_layers()` (or one)."""
+    if request.profile is not None:
+        return request.profile.num_layers
+    return 1 if missing_contract(module) else len(module.pipeline_layers())
+
+
+def _loader_batch_size(
+    trainer: pl.Trainer, reading_data: Callable[[], AbstractContextManager[SampleReading]]
+) -> int | None:
+    """The batch size the running entry point's DataLoader chose itself (None: it asks the strategy for one)."""
+    states = _collect_rng_states()
+    try:
+        with reading_data() as reading:
+            loader = _data_loader(trainer, type(trainer.lightning_module).__name__)
+    finally:
+        _set_rng_states(states)
+    return None if reading.asked_batch_size else _batch_size(loader)
 
 
 def _measured_together(trainer: pl.Trainer, place: JobPlace) -> dict[str, float]:
@@ -152,6 +287,7 @@ def _plan_on_rank_zero(
     reading_data: Callable[[], AbstractContextManager[SampleReading]],
     together: dict[str, float],
     group: dist.ProcessGroup | None,
+    made_for: PlanBasis,
 ) -> AgreedPlan:
     module = trainer.lightning_module
     data = _model_sample(trainer, request, reading_data)
@@ -174,7 +310,7 @@ def _plan_on_rank_zero(
                 f"\n  note: a rank here computes {measured.device_tflops:.3g} TFLOPS on this model, above the "
                 f"{configured:g} the cluster config gives its device: planned with the measurement; set device_tflops"
             )
-    return AgreedPlan(chosen, measured, description)
+    return AgreedPlan(chosen, measured, description, made_for)
 
 
 def _model_sample(

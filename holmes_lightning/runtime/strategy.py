@@ -71,6 +71,7 @@ from holmes_lightning.runtime.groups import PlanMesh, build_mesh, nccl_world
 from holmes_lightning.runtime.hooks import report_step, step_hook
 from holmes_lightning.runtime.pipeline import HeldGradients, Pipeline, gather_replica_outputs
 from holmes_lightning.runtime.placement import choose_device, describe_emulation, host_position
+from holmes_lightning.runtime.plan_reuse import PlanBasis
 from holmes_lightning.runtime.planning import JobPlace, PlanRequest, SampleReading, agree_on_plan
 from holmes_lightning.runtime.sharding import clip_grad_norm_
 from holmes_lightning.runtime.ties import Tie, across_stages, find_ties
@@ -98,7 +99,8 @@ class HolmesStrategy(ModelParallelStrategy):
             sample of the running entry point's DataLoader (meta layers: on meta tensors).
         calibrate: before planning, measure this machine on the model in the Trainer's precision
             (`holmes_lightning.measure.calibration`, each distinct layer 1.5 s, `$HOLMES_CALIBRATION_SECONDS`; cached
-            per machine, model shape and precision); `strategy.calibration` keeps what was measured.
+            per machine, model shape and precision); `strategy.calibration` keeps what was measured (None when a resume
+            runs its checkpoint's plan again: nothing is calibrated then).
         costs: what the machine costs (`holmes_lightning.planner.MachineCosts`) where not calibrated: all of it with
             calibrate=False (default: the cluster config's TFLOPS x efficiency 0.5), else what calibration does not
             measure, such as `dp_overlap`. Every plan also fits the device's memory for training (its memory less a
@@ -108,6 +110,10 @@ class HolmesStrategy(ModelParallelStrategy):
             nothing to shard and is skipped by default: its hooks, DTensor parameters and mixed-precision policy
             then run as on many ranks, at the cost of a gathered copy of the weights. For checks of the multi-rank
             path on one device (`python -m holmes_lightning.cli.gpu_check`); the planner's estimates do not count it.
+        replan: on a resume (`trainer.fit(ckpt_path=...)`, train.py's `resume=`), plan afresh. By default a resume
+            runs the plan stored with its checkpoint again, uncalibrated, when the cluster, the number of pipeline
+            layers and these settings are unchanged, so that it reproduces the uninterrupted run's losses; otherwise
+            it plans afresh and logs why (`runtime.plan_reuse`).
     """
 
     strategy_name = "holmes"
@@ -133,6 +139,7 @@ class HolmesStrategy(ModelParallelStrategy):
         timeout: float | timedelta = default_pg_timeout,
         process_group_backend: str | None = None,
         fsdp_on_one_rank: bool = False,
+        replan: bool = False,
     ) -> None:
         given = {"schedule": schedule, "partition": partition, "pp": pp, "dp": dp, "sharding": sharding}
         given.update(layout=layout, activation_checkpointing=activation_checkpointing)
@@ -158,6 +165,7 @@ class HolmesStrategy(ModelParallelStrategy):
         self.profile = profile
         self.calibrate = calibrate
         self.fsdp_on_one_rank = fsdp_on_one_rank
+        self.replan = replan
         self.costs = costs or MachineCosts()
         self.calibration: Calibration | None = None
         self.plan: Plan | None = (
@@ -165,6 +173,7 @@ class HolmesStrategy(ModelParallelStrategy):
         )
         self.topology: Topology | None = None
         self.plan_mesh: PlanMesh | None = None
+        self._made_for: PlanBasis | None = None  # what the plan was made for: checkpoints store it with the plan
         self.pipeline: Pipeline | None = None
         self._prepared: nn.Module | None = None
         self._reading: SampleReading | None = None  # while rank 0 reads one sample, before there is a plan
@@ -288,7 +297,8 @@ class HolmesStrategy(ModelParallelStrategy):
         _init_dist_connection(environment, self._process_group_backend, **kwargs)
 
     def _plan_and_build_mesh(self, trainer: pl.Trainer) -> None:
-        """The plan (made once per strategy, so fit and a later validate share it), its process groups and mesh."""
+        """The plan (made once per strategy, so fit and a later validate share it; a resume's may be its checkpoint's),
+        its process groups and mesh."""
         if self.plan_mesh is None:
             assert self.topology is not None and isinstance(self.cluster_environment, NICGroupingEnvironment)
             request = PlanRequest(
@@ -299,6 +309,7 @@ class HolmesStrategy(ModelParallelStrategy):
                 plan=self.plan,
                 profile=self.profile,
                 precision=self.precision_plugin.precision,
+                replan=self.replan,
             )
             place = JobPlace(
                 topology=self.topology,
@@ -308,8 +319,14 @@ class HolmesStrategy(ModelParallelStrategy):
                 local_processes=self.num_processes,
                 broadcast=self.broadcast,
             )
-            agreed = agree_on_plan(request, trainer=trainer, place=place, reading_data=self._reading_one_sample)
-            self.plan, self.calibration = agreed.plan, agreed.calibration
+            agreed = agree_on_plan(
+                request,
+                trainer=trainer,
+                place=place,
+                reading_data=self._reading_one_sample,
+                resuming=resume.checkpoint_to_load(trainer),
+            )
+            self.plan, self.calibration, self._made_for = agreed.plan, agreed.calibration, agreed.made_for
             rank_zero_info(agreed.description)
             module = self.lightning_module
             self._ties = [] if missing_contract(module) else find_ties(module.pipeline_layers())
@@ -465,7 +482,8 @@ class HolmesStrategy(ModelParallelStrategy):
         if storage_options is not None:
             raise TypeError("HolmesStrategy.save_checkpoint(storage_options=...) is not supported: it writes with DCP")
         path = Path(self.broadcast(filepath))
-        checkpoint.save(checkpoint_, path, plan=self._require_plan(), rank=self.global_rank)
+        made_for = None if self._made_for is None else self._made_for.to_dict()
+        checkpoint.save(checkpoint_, path, plan=self._require_plan(), rank=self.global_rank, made_for=made_for)
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         assert self.lightning_module is not None
