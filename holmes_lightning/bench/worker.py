@@ -4,9 +4,9 @@ For each of the spec's runs in turn (`spec["runs"]`: name, strategy and, for Hol
 model (`bench.model.BenchModel`: the recipe's GPT, or an HF causal LM on dict batches) on the byte corpus for the
 given steps under a fresh Trainer; writes this rank's step times per run (seconds between consecutive ends of a
 training step) and losses to `rank<N>.json` in the spec's folder, with its resident memory just before the first model
-is built (`baseline_rss_bytes`) and at its peak, and the part of it mapped from files (libraries' code) then and at
-the end. `spec["meta"]`: build the model under `trainer.init_module(empty_init=True)` (HolmesStrategy then allocates
-only this rank's stage).
+is built (`baseline_rss_bytes`) and at its peak from then on, and the part of it mapped from files (libraries' code)
+then and at the end. `spec["meta"]`: build the model under `trainer.init_module(empty_init=True)` (HolmesStrategy then
+allocates only this rank's stage).
 """
 
 from __future__ import annotations
@@ -26,7 +26,12 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 
 from holmes_lightning.bench.model import BenchModel
-from holmes_lightning.measure import file_resident_bytes, peak_resident_bytes, resident_bytes
+from holmes_lightning.measure import (
+    file_resident_bytes,
+    peak_resident_bytes,
+    resident_bytes,
+    restart_peak_resident,
+)
 from holmes_lightning.planner import Plan
 from holmes_lightning.recipes import ByteCorpusDataModule
 from holmes_lightning.runtime import HolmesStrategy
@@ -120,6 +125,7 @@ def train(spec: dict, run: dict, topology: Topology, rank: int) -> dict:
         default_root_dir=str(out),
     )
     before_model, files_before_model = resident_bytes(), file_resident_bytes()
+    restart_peak_resident()  # the peak from here: start-up's own (imports, the Trainer) may be higher than training's
     with trainer.init_module(empty_init=True) if spec.get("meta") else nullcontext():
         model = trained.build(flat_fsdp=run["strategy"] == "fsdp")
     trainer.fit(model, datamodule=data)
