@@ -142,7 +142,8 @@ def _least_memory(
     stats: SearchStats,
 ) -> Found:
     """Of the plans predicted within `STEP_TOLERANCE` of `fastest`, one taking the least peak memory per device (to
-    `MEMORY_RESOLUTION` of `fastest`'s): a bisection on a memory ceiling, each step a search under that step.
+    `MEMORY_RESOLUTION` of `fastest`'s): a bisection on a memory ceiling, each step a search for any plan under that
+    ceiling and step.
     `candidates(ceiling)`: those that may have a plan that fast (their bound from the first search says so).
 
     The ceiling never turns on more activation checkpointing than the memory limit needs; it only rules plans out.
@@ -153,7 +154,7 @@ def _least_memory(
     while high - low > MEMORY_RESOLUTION * peak:
         stats.memory_searches += 1
         middle = (low + high) / 2
-        found = search(candidates(middle), fixed, stats, lambda *_: None, ceiling=slowest)
+        found = search(candidates(middle), fixed, stats, lambda *_: None, ceiling=slowest, first=True)
         if found is None:
             low = middle
         else:

@@ -129,19 +129,25 @@ def suffix_bounds(candidate: Candidate, bar: float = math.inf) -> SuffixBounds:
 
 
 def search_partition(
-    candidate: Candidate, bar: float, stats: PartitionStats, tables: SuffixBounds | None = None
+    candidate: Candidate,
+    bar: float,
+    stats: PartitionStats,
+    tables: SuffixBounds | None = None,
+    *,
+    first: bool = False,
 ) -> tuple[tuple[int, ...], float] | None:
-    """The split with the least simulated step below `bar`, and that step (None: no split gets below `bar`)."""
+    """The split with the least simulated step below `bar`, and that step (None: no split gets below `bar`);
+    `first`: the first split found below `bar` instead."""
     if tables is None or bar < tables.bar * REBUILD:
         tables = suffix_bounds(candidate, bar)
-    search = _Search(candidate, tables, stats, bar)
+    search = _Search(candidate, tables, stats, bar, first)
     search.extend(_Path(), 0, 0.0)
     return search.best
 
 
 class _Search:
-    def __init__(self, candidate: Candidate, tables: SuffixBounds, stats: PartitionStats, bar: float):
-        self.candidate, self.tables, self.stats, self.bar = candidate, tables, stats, bar
+    def __init__(self, candidate: Candidate, tables: SuffixBounds, stats: PartitionStats, bar: float, first: bool):
+        self.candidate, self.tables, self.stats, self.bar, self.first = candidate, tables, stats, bar, first
         self.best: tuple[tuple[int, ...], float] | None = None
         self.pp, self.chunks, self.virtual = candidate.layout.pp, candidate.chunks, candidate.virtual
         self.m, self.layers = candidate.microbatches, candidate.num_layers
@@ -176,6 +182,8 @@ class _Search:
             child.push(path)
             self.extend(path, v + 1, full)
             _Child.pop(path)
+            if self.first and self.best is not None:
+                return
 
     def _child(self, path: _Path, v: int, start: int, stop: int, bound: float) -> _Child | None:
         """Virtual stage v holding layers [start, stop) (None: its stage goes over the memory limit)."""

@@ -80,13 +80,15 @@ def search(
     ceiling: float = math.inf,
     lower: dict[tuple[int, ...], float] | None = None,
     slack: float = 0.0,
+    first: bool = False,
 ) -> Found | None:
     """The best (candidate, split) of `candidates` (preference, candidate) with a step under `ceiling`; `fixed`: the
     requested split, if any.
 
     `infeasible(candidate, counts)` is told of every candidate whose split (None: every split) exceeds memory.
     `lower`, if given, gets per preference a lower bound on the candidate's step that holds for every split within
-    `slack` (a share) of the best plan's step; the tables are built that much looser to give it.
+    `slack` (a share) of the best plan's step; the tables are built that much looser to give it. `first`: any plan
+    under `ceiling` will do, the first one found.
     """
     stats.candidates += len(candidates)
     best: Found | None = None
@@ -103,6 +105,8 @@ def search(
         stats.seeded += 1
         if step is not None:
             offer(preference, candidate, counts, step)
+            if first and best is not None:
+                return best
         elif fixed(candidate) is not None:
             infeasible(candidate, counts)
         if fixed(candidate) is not None:
@@ -130,9 +134,11 @@ def search(
             stats.cut_tables += 1
             continue
         stats.searched += 1
-        found = search_partition(candidate, bar, stats.partitions, tables)
+        found = search_partition(candidate, bar, stats.partitions, tables, first=first)
         if found is not None:
             offer(preference, candidate, *found)
+            if first:
+                return best
         elif bar == math.inf:
             infeasible(candidate, None)
     return best
