@@ -22,6 +22,7 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -164,6 +165,8 @@ def _main(target: str, kwargs: str, out: str) -> None:
     module_name, function_name = target.split(":")
     result = getattr(importlib.import_module(module_name), function_name)(**json.loads(kwargs))
     Path(out, f"rank{os.environ['RANK']}.json").write_text(json.dumps(result))
+    if dist.is_initialized():  # every group ends here, as train.py ends them, not in the interpreter's teardown
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ GPU_RESERVE_GB = 1.5  # the CUDA context (~0.5 GB) and NCCL's buffers (a few com
 GPU_RESERVE_SHARE = 0.05  # what the caching allocator loses to fragmentation
 CPU_BASELINE_GB = 0.5  # a rank process's own memory: interpreter, torch, Lightning (0.43 GB of RSS measured here)
 MEMINFO = Path("/proc/meminfo")
+STATUS = Path("/proc/self/status")
 CLEAR_REFS = Path("/proc/self/clear_refs")
 
 
@@ -65,8 +66,12 @@ def file_resident_bytes() -> int:
 
 
 def peak_resident_bytes() -> int:
-    """The most resident memory this process has held so far, or since `restart_peak_resident` (Linux reports
-    kilobytes)."""
+    """The most resident memory this process has held so far, or since `restart_peak_resident` (Linux: VmHWM in
+    /proc/self/status; getrusage's ru_maxrss would also count the memory of the process that started this one, which
+    it inherits across exec)."""
+    for line in STATUS.read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
