@@ -154,7 +154,7 @@ def _least_memory(
     while high - low > MEMORY_RESOLUTION * peak:
         stats.memory_searches += 1
         middle = (low + high) / 2
-        found = search(candidates(middle), fixed, stats, lambda *_: None, ceiling=slowest, first=True)
+        found = search(candidates(middle), fixed, SearchStats(), lambda *_: None, ceiling=slowest, first=True)
         if found is None:
             low = middle
         else:
