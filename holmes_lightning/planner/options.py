@@ -51,8 +51,8 @@ class Sharding(ConfigEnum):
 class Checkpointing(ConfigEnum):
     """Activation checkpointing: which pipeline layers keep only their input and run their forward again in backward.
 
-    `full`: every layer; `selective`: every other one (odd positions); `auto`: off where the plan fits
-    `memory_limit_gb` without it, else full; `off`: none.
+    `full`: every layer; `selective`: every other one (odd positions); `auto`: per stage, off where the stage fits
+    the memory bound keeping every activation, else selective, else full; `off`: none.
     """
 
     off = "off"
@@ -137,7 +137,7 @@ class PlanOptions:
     collective library (gloo's reduce-scatter costs a whole all-reduce). chunks_per_stage: model chunks per stage for
     Interleaved1F1B. state_multiplier: bytes of weights, grads and optimizer state per parameter byte (4: fp32
     AdamW). memory_limit_gb: per device, None = unchecked. activation_checkpointing: `off`, `full`, `selective` or
-    `auto` (`Checkpointing`; auto turns it on, full, only where no plan fits the memory limit without it).
+    `auto` (`Checkpointing`; auto turns it on per stage, only where the stage does not fit without it).
     """
 
     schedule: Schedule = Schedule["1F1B"]

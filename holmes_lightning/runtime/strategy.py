@@ -92,8 +92,9 @@ class HolmesStrategy(ModelParallelStrategy):
             microbatches: per step and replica, None lets the planner choose.
         options: what to plan (`holmes_lightning.planner.PlanOptions`, as train.py and the plan CLI take it);
             schedule, partition, pp, dp, sharding, layout, activation_checkpointing override its fields (sharding
-            "auto": FSDP2 unless replicas are faster; activation_checkpointing "auto": full only where no plan fits
-            the memory bound without it; layout "nic_unaware": Megatron's rank order).
+            "auto": FSDP2 unless replicas are faster; activation_checkpointing "auto": per stage, off where it fits
+            the memory bound keeping every activation, else selective, else full; layout "nic_unaware": Megatron's
+            rank order).
         plan: a Plan (or its JSON file) to run instead of planning.
         profile: the model's cost profile; default: `pipeline_layers()` measured on `example_input_array`, else on one
             sample of the running entry point's DataLoader (meta layers: on meta tensors).
