@@ -3,6 +3,7 @@ newest checkpoint (`elastic.max_restarts`), or ends clearly below `elastic.min_n
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import signal
@@ -16,7 +17,7 @@ import pytest
 
 from holmes_lightning.cli.config import ModelConfig
 from holmes_lightning.planner import BatchSettings, ModelProfile, PlanError, PlanOptions, best_plan
-from holmes_lightning.planner.survivors import plan_on_most_nodes
+from holmes_lightning.planner.survivors import _fewer_nodes, plan_on_most_nodes
 from holmes_lightning.topology import Topology
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,3 +115,13 @@ def _plans(plan, nodes: Topology) -> bool:
     except PlanError:
         return False
     return True
+
+
+def test_the_node_counts_to_try_come_fewest_sitting_out_first_and_as_needed():
+    """Every way to keep fewer nodes, one node out before two, each once; 8 clusters of 512 nodes start at once."""
+    sizes = (4, 1, 2)
+    every = [kept for kept in itertools.product(*(range(n + 1) for n in sizes)) if 0 < sum(kept) < sum(sizes)]
+    tried = list(_fewer_nodes(sizes))
+    assert sorted(tried) == sorted(every) and len(set(tried)) == len(tried)
+    assert [sum(sizes) - sum(kept) for kept in tried] == sorted(sum(sizes) - sum(kept) for kept in tried)
+    assert len(list(itertools.islice(_fewer_nodes((512,) * 8), 199))) == 199

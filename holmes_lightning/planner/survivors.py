@@ -4,7 +4,7 @@ most that one does (nodes of a cluster are alike, so only how many of each clust
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from holmes_lightning.planner.choice import PlanError
 from holmes_lightning.planner.plan_types import Plan
@@ -22,12 +22,9 @@ def plan_on_most_nodes(topology: Topology, plan: Callable[[Topology], Plan]) -> 
     except PlanError as everyone:
         refusal = everyone
     per_cluster = {group.name: group.nodes for group in topology.spec.clusters}
-    counts = sorted(
-        itertools.product(*(range(n + 1) for n in per_cluster.values())), key=lambda kept: (-sum(kept), kept)
-    )
     best: tuple[float, Topology, Plan] | None = None
-    for kept in counts[1:MAX_TRIED]:  # the first keeps every node: planned above
-        if best is not None and sum(kept) < len(best[1].nodes) or sum(kept) == 0:
+    for kept in itertools.islice(_fewer_nodes(tuple(per_cluster.values())), MAX_TRIED - 1):
+        if best is not None and sum(kept) < len(best[1].nodes):
             break
         fewer = topology.without(_sitting_out(topology, dict(zip(per_cluster, kept, strict=True))))
         try:
@@ -39,6 +36,26 @@ def plan_on_most_nodes(topology: Topology, plan: Callable[[Topology], Plan]) -> 
     if best is None:
         raise refusal
     return best[1], best[2]
+
+
+def _fewer_nodes(sizes: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+    """Nodes kept per cluster of `sizes` nodes, one node sitting out, then two, ... (never none kept), generated as
+    needed: thousands of nodes have too many ways to list."""
+    for out in range(1, sum(sizes)):
+        yield from _taking(out, sizes)
+
+
+def _taking(out: int, sizes: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+    """Every way to take `out` nodes from clusters of `sizes` nodes, as the nodes each keeps (the first cluster's
+    fewest first)."""
+    if not sizes:
+        if out == 0:
+            yield ()
+        return
+    first, rest = sizes[0], sizes[1:]
+    for taken in range(min(first, out), -1, -1):
+        for kept in _taking(out - taken, rest):
+            yield (first - taken, *kept)
 
 
 def _sitting_out(topology: Topology, kept: dict[str, int]) -> list[str]:
