@@ -66,9 +66,10 @@ def start_ranks(
     """
     elastic = elastic or ElasticConfig()
     least = elastic.min_nodes or 1
-    for restart in range(elastic.max_restarts + 1):
-        ended = _run_once(command if restart == 0 or restart_command is None else restart_command(), topology, lab)
-        if ended.code == 0 or ended.died_on is None or restart == elastic.max_restarts:
+    running = command
+    for restart in range(elastic.max_restarts):
+        ended = _run_once(running, topology, lab)
+        if ended.code == 0 or ended.died_on is None:
             return ended.code
         lost = topology.nodes[ended.died_on].name
         left = len(topology.nodes) - 1
@@ -93,7 +94,8 @@ def start_ranks(
             f"the {left} nodes left ({topology.world_size} ranks){sitting}, re-planned, from the last checkpoint",
             flush=True,
         )
-    return ended.code
+        running = restart_command() if restart_command else command
+    return _run_once(running, topology, lab).code
 
 
 def _run_once(command: Sequence[str], topology: Topology, lab: LabConfig | None) -> JobEnd:
