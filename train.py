@@ -37,6 +37,7 @@ from holmes_lightning.runtime import HolmesStrategy, checkpoint
 from holmes_lightning.runtime.checkpoint import CheckpointError
 from holmes_lightning.runtime.contract import ContractError
 from holmes_lightning.runtime.environment import default_environment
+from holmes_lightning.runtime.placement import launch_mismatch
 from holmes_lightning.runtime.preemption import HolmesCheckpoint
 from holmes_lightning.topology import Topology, TopologyError, config_dir
 
@@ -68,7 +69,9 @@ def main(cfg: DictConfig) -> None:
         # the launcher reads every file once; ranks leave the digests to the load, where each reads its share
         config.resume = validate.resume_path(config, plan, checksums=not is_rank_process())
         if is_rank_process():
-            topology.check_world_size(default_environment().world_size())
+            world, least = default_environment().world_size(), config.elastic.min_nodes
+            if (mismatch := launch_mismatch(topology, world, min_nodes=least)) is not None:
+                raise TopologyError(mismatch)
     except (ValueError, OmegaConfBaseException) as err:  # config, topology, plan, checkpoint and strategy errors
         exit_with_error(err)
     run_dir = HydraConfig.get().runtime.output_dir
@@ -159,6 +162,7 @@ def make_strategy(config: TrainConfig, topology: Topology, timeout_s: float) -> 
         costs=settings.machine_costs(),
         replan=settings.replan,
         timeout=timeout_s,
+        min_nodes=config.elastic.min_nodes,
     )
 
 
@@ -196,8 +200,7 @@ def train(
     )
     trainer = L.Trainer(
         accelerator=opt.accelerator,
-        devices=len(topology.node_of(rank).ranks),
-        num_nodes=len(topology.nodes),
+        **launched_devices(topology, rank),
         strategy=strategy,
         precision=opt.precision,
         max_steps=opt.max_steps,
@@ -211,7 +214,7 @@ def train(
             throughput_monitor(
                 model,
                 config.data.global_batch,
-                topology.world_size,
+                default_environment().world_size(),
                 window,
                 lambda: saves.saving_s,
                 flops_per_sample=flops_per_sample(model, profile),
@@ -224,6 +227,16 @@ def train(
     trainer.fit(model, datamodule=data, ckpt_path=config.resume)
     if dist.is_initialized():  # every group ends here, in order, not in the interpreter's teardown
         dist.destroy_process_group()
+
+
+def launched_devices(topology: Topology, rank: int) -> dict[str, int]:
+    """The Trainer's `devices` and `num_nodes`: this rank's node in the config's, or, when torchrun's elastic agent
+    started fewer nodes (`elastic.min_nodes`), its processes per node and the nodes that joined."""
+    world = default_environment().world_size()
+    if world == topology.world_size:
+        return {"devices": len(topology.node_of(rank).ranks), "num_nodes": len(topology.nodes)}
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return {"devices": local, "num_nodes": world // local}
 
 
 def make_logger(config: TrainConfig, run_dir: str) -> Logger:

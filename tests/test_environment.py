@@ -15,7 +15,7 @@ from holmes_lightning.launch.processes import rank_env
 from holmes_lightning.runtime.environment import NICGroupingEnvironment, default_environment, resolve_nics
 from holmes_lightning.runtime.placement import (
     RankReport,
-    check_placement,
+    attend,
     choose_device,
     host_position,
     launch_mismatch,
@@ -97,25 +97,33 @@ def test_plain_machine_uses_lightning_environment(clean_env):
     assert isinstance(default_environment(), LightningEnvironment)
 
 
+def emulated(layout: Topology, found: list[RankReport], min_nodes: int | None = None) -> bool:
+    """`attend` for a launch of every node of `layout`: whether one host plays them (the layout is the config's)."""
+    attendance = attend(layout, found, min_nodes)
+    assert attendance.layout is layout and attendance.missing == ()
+    return attendance.emulated
+
+
 def test_multi_node_numbering_is_checked_strictly():
     layout = node_layout(MIXED.spec)
-    assert check_placement(layout, reports(multi_node(MIXED))) is False
+    assert emulated(layout, reports(multi_node(MIXED))) is False
     numbering = multi_node(MIXED)
-    numbering[3] = (1, 0)
-    with pytest.raises(TopologyError, match="rank 3 is node 1 / local 0 for the launcher but node 3 / local 0"):
-        check_placement(layout, reports(numbering))
+    numbering[3] = (2, 1)
+    with pytest.raises(TopologyError, match="launcher node 2 \\('one-host'\\) runs 2 processes but plays node"):
+        attend(layout, reports(numbering))
 
 
 def test_one_host_plays_every_node():
     """Lightning's launcher and torchrun --standalone number everything on node 0: emulated, not an error."""
-    assert check_placement(node_layout(MIXED.spec), reports(one_node(MIXED))) is True
+    assert emulated(node_layout(MIXED.spec), reports(one_node(MIXED))) is True
 
 
 def test_size_mismatch_keeps_its_error():
     with pytest.raises(
         TopologyError, match="world size 3 from the launcher does not match cluster 'two_cluster_mixed'"
-    ):
-        check_placement(node_layout(MIXED.spec), reports(one_node(MIXED))[:3])
+    ) as err:
+        attend(node_layout(MIXED.spec), reports(one_node(MIXED))[:3])
+    assert "elastic.min_nodes=N" in str(err.value)
 
 
 def test_launch_mismatch_says_what_to_pass():
@@ -125,6 +133,8 @@ def test_launch_mismatch_says_what_to_pass():
     assert "Trainer(devices=1, num_nodes=1) starts 1; pass Trainer(devices=4)" in message
     assert "holmes-launch cluster=two_cluster_mixed" in message and "--nproc-per-node 4" in message
     assert "launch 4 processes" in launch_mismatch(layout, 8)
+    assert launch_mismatch(layout, 2, min_nodes=1) is None  # fewer may join: decided once they have
+    assert "launch 4 processes" in launch_mismatch(layout, 8, min_nodes=1)
 
 
 def test_trainer_with_auto_devices_fails_before_spawning(clean_env):
@@ -143,20 +153,31 @@ def named_cluster() -> Topology:
     return Topology(spec)
 
 
-def test_torchrun_join_order_against_config_hostnames():
-    """c10d numbered hosts as they joined: say which config node each launcher node really is."""
-    topology = named_cluster()
-    layout = node_layout(topology.spec)
-    assert check_placement(layout, reports(multi_node(topology), HOSTS)) is False
-    joined = ["b-01", "a-02", "a-01", "b-02"]
-    with pytest.raises(TopologyError) as err:
-        check_placement(layout, reports(multi_node(topology), joined))
-    message = str(err.value)
-    assert "launcher node 0 runs on 'b-01' (config node 2), where the config has 'a-01'" in message
-    assert "launcher node 2 runs on 'a-01' (config node 0), where the config has 'b-01'" in message
-    assert "launcher node 1" not in message and "--node-rank" in message
-    with pytest.raises(TopologyError, match="'c-07' \\(a host the config does not name\\)"):
-        check_placement(layout, reports(multi_node(topology), ["a-01", "a-02", "c-07", "b-02"]))
+def numbered(hosts: list[str], devices: dict[str, int] | None = None) -> list[RankReport]:
+    """torchrun's numbering of nodes on `hosts` (in its order), node by node, one rank per device."""
+    found, rank = [], 0
+    for node, host in enumerate(hosts):
+        for local in range((devices or {}).get(host, 1)):
+            found.append(RankReport(rank, node, local, (host,), NICKind.ethernet))
+            rank += 1
+    return found
+
+
+def test_hosts_in_another_order_play_the_nodes_they_are_named_as():
+    """torchrun's c10d sorts nodes by address, not by the config: each cluster's nodes together is enough."""
+    attendance = attend(node_layout(named_cluster().spec), numbered(["b-02", "b-01", "a-01", "a-02"]))
+    assert [node.name for node in attendance.layout.nodes] == ["b-02", "b-01", "a-01", "a-02"]
+    assert [group.name for group in attendance.layout.spec.clusters] == ["B", "A"]
+    assert attendance.missing == () and attendance.emulated is False
+
+
+def test_hosts_that_mix_clusters_or_are_not_named_are_refused():
+    layout = node_layout(named_cluster().spec)
+    with pytest.raises(TopologyError, match="the launcher's node order mixes clusters") as err:
+        attend(layout, numbered(["b-01", "a-02", "a-01", "b-02"]))
+    assert "--local-addr" in str(err.value) and "--node-rank" in str(err.value)
+    with pytest.raises(TopologyError, match="launcher node 2 runs on 'c-07', a host cluster 'two_cluster_mixed'"):
+        attend(layout, numbered(["a-01", "a-02", "c-07", "b-02"]))
 
 
 def test_hostnames_match_by_address_or_short_name():
@@ -164,35 +185,91 @@ def test_hostnames_match_by_address_or_short_name():
     numbering = multi_node(topology)
     hosts = [("a-01.cluster", "a-01", "10.0.0.1"), ("x", "a-02"), ("b-01",), ("10.0.1.2", "b-02")]
     found = [RankReport(r, n, lo, hosts[n], NICKind.ethernet) for r, (n, lo) in enumerate(numbering)]
-    assert check_placement(node_layout(topology.spec), found) is False
+    assert emulated(node_layout(topology.spec), found) is False
 
 
 def test_holmes_launch_on_one_host_skips_the_hostname_check():
     topology = named_cluster()
-    assert check_placement(node_layout(topology.spec), reports(multi_node(topology), ["vm"] * 4)) is False
+    assert emulated(node_layout(topology.spec), reports(multi_node(topology), ["vm"] * 4)) is False
+
+
+def test_fewer_nodes_join_only_with_min_nodes_and_plan_as_the_nodes_present():
+    layout = node_layout(named_cluster().spec)
+    three = numbered(["a-01", "b-01", "b-02"])
+    with pytest.raises(TopologyError, match="elastic.min_nodes=N"):
+        attend(layout, three)
+    attendance = attend(layout, three, min_nodes=3)
+    assert attendance.missing == ("a-02",)
+    assert [(node.name, node.cluster) for node in attendance.layout.nodes] == [
+        ("a-01", "A"),
+        ("b-01", "B"),
+        ("b-02", "B"),
+    ]
+    assert "3 of the 4 nodes of cluster 'two_cluster_mixed' joined; missing: a-02" in attendance.describe(layout)
+    with pytest.raises(TopologyError, match="3 of the 4 nodes .* joined \\(missing: a-02\\), fewer than min_nodes=4"):
+        attend(layout, three, min_nodes=4)
+    whole_cluster_gone = attend(layout, numbered(["b-01", "b-02"]), min_nodes=1)
+    assert [group.name for group in whole_cluster_gone.layout.spec.clusters] == ["B"]
+
+
+def test_without_hostnames_fewer_nodes_are_the_config_s_first():
+    layout = node_layout(MIXED.spec)
+    attendance = attend(layout, reports(multi_node(MIXED))[:3], min_nodes=2)
+    assert attendance.missing == ("B-node1",) and len(attendance.layout.nodes) == 3
+    one_host = attend(layout, reports(one_node(MIXED))[:2], min_nodes=1)
+    assert one_host.emulated is True and one_host.missing == ("B-node0", "B-node1")
 
 
 cluster_groups = st.lists(st.tuples(st.integers(1, 3), st.integers(1, 3)), min_size=1, max_size=4)
 
 
-@settings(max_examples=60, deadline=None)
-@given(groups=cluster_groups, data=st.data())
-def test_random_topologies_place_every_launch(groups, data):
-    """Any config: node-by-node numbering is strict, one-node numbering is emulated, swapped hosts are refused."""
+def random_named_layout(groups: list[tuple[int, int]]) -> tuple[Topology, list[str]]:
     clusters, hosts = [], []
     for i, (nodes, devices) in enumerate(groups):
         names = [f"h{len(hosts) + j}" for j in range(nodes)]
         hosts += names
         clusters.append({"name": f"C{i}", "nodes": nodes, "devices_per_node": devices, "hostnames": names})
-    layout = node_layout(load_cluster_spec({"name": "random", "clusters": clusters}))
-    assert check_placement(layout, reports(multi_node(layout), hosts)) is False
-    assert check_placement(layout, reports(one_node(layout))) is (len(hosts) > 1)
+    return node_layout(load_cluster_spec({"name": "random", "clusters": clusters})), hosts
+
+
+@settings(max_examples=60, deadline=None)
+@given(groups=cluster_groups, data=st.data())
+def test_random_topologies_place_every_launch(groups, data):
+    """Any config: node-by-node numbering is strict, one-node numbering is emulated; hosts in another order play
+    their named nodes when each cluster's stay together, and are refused otherwise."""
+    layout, hosts = random_named_layout(groups)
+    assert emulated(layout, reports(multi_node(layout), hosts)) is False
+    assert emulated(layout, reports(one_node(layout))) is (len(hosts) > 1)
     order = data.draw(st.permutations(hosts))
-    if order == hosts:
-        assert check_placement(layout, reports(multi_node(layout), order)) is False
+    devices = {node.name: len(node.ranks) for node in layout.nodes}
+    clusters = [layout.node_of(layout.nodes[hosts.index(h)].ranks[0]).cluster for h in order]
+    together = all(c not in clusters[:i] or clusters[i - 1] == c for i, c in enumerate(clusters))
+    if together:
+        attendance = attend(layout, numbered(order, devices))
+        assert [node.name for node in attendance.layout.nodes] == order
     else:
-        with pytest.raises(TopologyError, match="the launcher's node order differs"):
-            check_placement(layout, reports(multi_node(layout), order))
+        with pytest.raises(TopologyError, match="the launcher's node order mixes clusters"):
+            attend(layout, numbered(order, devices))
+
+
+@settings(max_examples=60, deadline=None)
+@given(groups=cluster_groups, data=st.data())
+def test_random_subsets_of_named_nodes_plan_as_present_or_are_refused(groups, data):
+    """Any config less any nodes, in the config's order: the nodes present, or a clear refusal below min_nodes."""
+    layout, hosts = random_named_layout(groups)
+    present = [h for h in hosts if data.draw(st.booleans(), label=h)]
+    least = data.draw(st.integers(1, len(hosts)), label="min_nodes")
+    devices = {node.name: len(node.ranks) for node in layout.nodes}
+    if not present:
+        return
+    if len(present) < least:
+        with pytest.raises(TopologyError, match=f"fewer than min_nodes={least}"):
+            attend(layout, numbered(present, devices), least)
+        return
+    attendance = attend(layout, numbered(present, devices), least)
+    assert [node.name for node in attendance.layout.nodes] == present
+    assert set(attendance.missing) == set(hosts) - set(present)
+    assert attendance.layout.world_size == sum(devices[h] for h in present)
 
 
 @pytest.mark.parametrize(

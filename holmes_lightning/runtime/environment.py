@@ -19,7 +19,7 @@ from holmes_lightning.launch.processes import launched_topology
 from holmes_lightning.runtime.placement import (
     NODE_ADDRESS_ENV,
     RankReport,
-    check_placement,
+    attend,
     host_identity,
     launch_mismatch,
     node_layout,
@@ -101,9 +101,11 @@ class NICGroupingEnvironment(ClusterEnvironment):
         cluster: str | Path | dict | ClusterSpec | Topology,
         inner: ClusterEnvironment | None = None,
         sysfs_root: str | Path = SYSFS_INFINIBAND,
+        min_nodes: int | None = None,
     ) -> None:
         self.inner = inner if inner is not None else default_environment()
         self.sysfs_root = sysfs_root
+        self.min_nodes = min_nodes
         if isinstance(cluster, Topology):
             self.spec, self._topology = cluster.spec, cluster
         else:
@@ -120,23 +122,32 @@ class NICGroupingEnvironment(ClusterEnvironment):
         return self._topology
 
     def check_launch(self, trainer: tuple[int, int] | None) -> None:
-        """The launch's size must be the config's, checked before any process starts or joins.
+        """The launch's size must be the config's (or smaller, with `min_nodes`), checked before any process starts or
+        joins.
 
         `trainer`: (devices, num_nodes) when Lightning's launcher starts the processes from the Trainer's flags.
         """
-        message = launch_mismatch(self.layout, self.world_size(), trainer)
+        message = launch_mismatch(self.layout, self.world_size(), trainer, self.min_nodes)
         if message is not None:
             raise TopologyError(message)
 
     def exchange(self) -> Topology:
-        """All ranks share where they run and what they detected (`all_gather_object`) and build the same Topology.
+        """All ranks share where they run and what they detected (`all_gather_object`) and build the same Topology:
+        the config's nodes that joined (`placement.attend`; the missing ones are logged).
 
         Sets `emulated`: one host plays every node of the config (Lightning's launcher, `torchrun --standalone`).
         """
         mine = detect_report(self.global_rank(), self.node_rank(), self.local_rank(), self.sysfs_root)
         reports: list[RankReport | None] = [None] * dist.get_world_size()
         dist.all_gather_object(reports, mine)
-        self.emulated = check_placement(self.layout, reports)
+        attendance = attend(self.layout, reports, self.min_nodes)
+        if attendance.missing:
+            rank_zero_info(attendance.describe(self.layout))
+        if attendance.layout is not self.layout:  # fewer nodes, or another order: the config's NICs, still to detect
+            nics = {group.name: group.nic for group in self.spec.clusters}
+            present = attendance.layout.spec
+            self.spec = replace(present, clusters=[replace(g, nic=nics[g.name]) for g in present.clusters])
+        self.layout, self.emulated = attendance.layout, attendance.emulated
         self._topology = Topology(resolve_nics(self.spec, reports), self._topology.measured if self._topology else None)
         return self._topology
 

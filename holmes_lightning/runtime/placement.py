@@ -2,8 +2,9 @@
 
 Launchers number ranks their own way: Lightning's launcher and `torchrun --standalone` put every process on node 0
 (local rank = rank), `holmes-launch` and a real multi-node `torchrun` number node by node (torchrun's c10d
-rendezvous in the order hosts joined). Rank r always plays the config's rank r; these functions check that the
-launcher's nodes agree with the config's, or that one host plays them all, and pick each process's device.
+rendezvous in the sorted order of the nodes' addresses). `attend` maps the launcher's nodes to the config's (by
+hostname where it names hosts) and forms the layout of the nodes present, in the launcher's order, so rank r of the
+launch is rank r of that layout; `choose_device` picks each process's device.
 """
 
 from __future__ import annotations
@@ -51,13 +52,16 @@ def node_layout(spec: ClusterSpec) -> Topology:
     return Topology(replace(spec, clusters=clusters))
 
 
-def launch_mismatch(layout: Topology, world_size: int, trainer: tuple[int, int] | None = None) -> str | None:
-    """What to do when the launch runs `world_size` processes for a config of another size (None: sizes agree).
+def launch_mismatch(
+    layout: Topology, world_size: int, trainer: tuple[int, int] | None = None, min_nodes: int | None = None
+) -> str | None:
+    """What to do when the launch runs `world_size` processes for a config of another size (None: sizes agree, or
+    fewer processes may be fewer nodes: `min_nodes` is set and `attend` decides once they joined).
 
     `trainer`: (devices, num_nodes) when Lightning's own launcher starts the processes from the Trainer's flags.
     """
     expected = layout.world_size
-    if world_size == expected:
+    if world_size == expected or (min_nodes is not None and world_size < expected):
         return None
     shape = f"{len(layout.nodes)} nodes x {'/'.join(str(n) for n in sorted({len(n.ranks) for n in layout.nodes}))}"
     launchers = (
@@ -71,23 +75,130 @@ def launch_mismatch(layout: Topology, world_size: int, trainer: tuple[int, int] 
             f"num_nodes={num_nodes}) starts {world_size}; pass Trainer(devices={expected}) to run every node on this "
             f"machine, or start the script with {launchers}"
         )
+    fewer = (
+        ", or let the job train on the nodes that join: HolmesStrategy(min_nodes=N) (train.py: elastic.min_nodes=N)"
+        if world_size < expected
+        else ""
+    )
     return (
         f"world size {world_size} from the launcher does not match cluster {layout.name!r}, which has {shape} "
         f"devices = {expected} ranks; launch {expected} processes ({launchers}), or fix cluster.devices_per_node or "
-        f"the clusters' `nodes`"
+        f"the clusters' `nodes`{fewer}"
     )
 
 
-def check_placement(layout: Topology, reports: Sequence[RankReport]) -> bool:
-    """Check the launcher's nodes against the config's; True when one host plays every node (emulated placement).
+@dataclass(frozen=True)
+class Attendance:
+    """The config's nodes the launcher started: the layout they form (in the launcher's node order, rank r of the
+    launch is its rank r), the config's names of the nodes missing, and whether one host plays every node."""
 
-    Otherwise every rank's (node rank, local rank) must be its config place, and where the config names hosts,
-    each launcher node must run on the host the config puts there.
+    layout: Topology
+    missing: tuple[str, ...]
+    emulated: bool
+
+    def describe(self, config: Topology) -> str:
+        """The one line that says which nodes of the config did not join."""
+        return (
+            f"HolmesStrategy: {len(self.layout.nodes)} of the {len(config.nodes)} nodes of cluster {config.name!r} "
+            f"joined; missing: {', '.join(self.missing)}; planning for the nodes present"
+        )
+
+
+def attend(layout: Topology, reports: Sequence[RankReport], min_nodes: int | None = None) -> Attendance:
+    """Map the launcher's nodes to the config's: by hostname where the config names hosts (torchrun numbers nodes its
+    own way), in the config's order otherwise; one host running every process plays the config's first nodes.
+
+    Fewer nodes than the config lists are refused unless `min_nodes` allows them; then the job plans for the
+    `Attendance.layout` of the nodes present. Every rank's (node rank, local rank) must be its place there.
     """
-    if (message := launch_mismatch(layout, len(reports))) is not None:
+    if (message := launch_mismatch(layout, len(reports), min_nodes=min_nodes)) is not None:
         raise TopologyError(message)
-    if len(layout.nodes) > 1 and len({report.node_rank for report in reports}) == 1:  # the launcher saw one node
-        return True
+    launched = _launcher_nodes(reports)
+    names = _one_node(layout, *launched[0]) if len(launched) == 1 else _matched(layout, launched)
+    missing = tuple(node.name for node in layout.nodes if node.name not in names)
+    if missing and min_nodes is None:
+        raise TopologyError(launch_mismatch(layout, len(reports)))
+    if min_nodes is not None and len(names) < min_nodes:
+        raise TopologyError(
+            f"{len(names)} of the {len(layout.nodes)} nodes of cluster {layout.name!r} joined (missing: "
+            f"{', '.join(missing)}), fewer than min_nodes={min_nodes}; start more nodes or lower min_nodes"
+        )
+    present = layout if names == [node.name for node in layout.nodes] else _in_launch_order(layout, names)
+    emulated = len(launched) == 1 and len(names) > 1
+    if not emulated:
+        _check_numbering(present, reports)
+    return Attendance(present, missing, emulated)
+
+
+def _launcher_nodes(reports: Sequence[RankReport]) -> list[tuple[tuple[str, ...], int]]:
+    """Each launcher node's host names and process count, in node-rank order."""
+    nodes: dict[int, list[RankReport]] = {}
+    for report in reports:
+        nodes.setdefault(report.node_rank, []).append(report)
+    return [(nodes[index][0].host, len(nodes[index])) for index in sorted(nodes)]
+
+
+def _one_node(layout: Topology, host: tuple[str, ...], world_size: int) -> list[str]:
+    """The node a lone launcher node is named as, when it runs that node's processes; else the config's first nodes
+    that hold `world_size` ranks, played by this one host."""
+    groups = {group.name: group for group in layout.spec.clusters}
+    for node in layout.nodes:
+        if groups[node.cluster].hostnames and _is_host(node.name.lower(), host) and len(node.ranks) == world_size:
+            return [node.name]
+    names, ranks = [], 0
+    for node in layout.nodes:
+        if ranks >= world_size:
+            break
+        names.append(node.name)
+        ranks += len(node.ranks)
+    if ranks != world_size:
+        sizes = "/".join(str(n) for n in sorted({len(node.ranks) for node in layout.nodes}))
+        raise TopologyError(
+            f"{world_size} processes on one host do not make whole nodes of cluster {layout.name!r} (its nodes hold "
+            f"{sizes} ranks, in config order); start whole nodes"
+        )
+    return names
+
+
+def _matched(layout: Topology, launched: list[tuple[tuple[str, ...], int]]) -> list[str]:
+    """The config node each launcher node plays: the one its host is named as, else the next node of a cluster that
+    names no hosts; all on one host (holmes-launch): the config's nodes in order."""
+    groups = {group.name: group for group in layout.spec.clusters}
+    named = [node for node in layout.nodes if groups[node.cluster].hostnames]
+    one_host = len({host[0] for host, _ in launched}) == 1
+    unnamed = iter(layout.nodes if one_host else [node for node in layout.nodes if not groups[node.cluster].hostnames])
+    names: list[str] = []
+    for index, (host, processes) in enumerate(launched):
+        node = None if one_host else next((n for n in named if _is_host(n.name.lower(), host)), None)
+        node = node or next(unnamed, None)
+        if node is None or node.name in names:
+            raise TopologyError(
+                f"launcher node {index} runs on {host[0]!r}, a host cluster {layout.name!r} does not name (or names "
+                f"for another launcher node too); list every host in its cluster's `hostnames`"
+            )
+        if processes != len(node.ranks):
+            raise TopologyError(
+                f"launcher node {index} ({host[0]!r}) runs {processes} processes but plays node {node.name!r} of "
+                f"cluster {layout.name!r}, which has {len(node.ranks)} devices; start that many processes on it"
+            )
+        names.append(node.name)
+    return names
+
+
+def _in_launch_order(layout: Topology, names: list[str]) -> Topology:
+    """The nodes present as a config of their own, in the launcher's order."""
+    try:
+        return layout.keeping(names)
+    except TopologyError as err:
+        raise TopologyError(
+            f"the launcher's node order mixes clusters: {err}. torchrun's c10d rendezvous numbers nodes in the sorted "
+            f"order of their --local-addr (default: the host's FQDN): give each node an address that sorts with its "
+            f"cluster, or start each host with `torchrun --node-rank=<its index in the config>` (static rendezvous)"
+        ) from err
+
+
+def _check_numbering(layout: Topology, reports: Sequence[RankReport]) -> None:
+    """Launchers that number node by node must give rank r the node and local rank it has in `layout`."""
     for report in reports:
         place = layout.ranks[report.rank]
         if (place.node, place.local_device) != (report.node_rank, report.local_rank):
@@ -96,35 +207,6 @@ def check_placement(layout: Topology, reports: Sequence[RankReport]) -> bool:
                 f"node {place.node} / local {place.local_device} in cluster {layout.name!r}; launch nodes in the "
                 f"config's order with cluster.devices_per_node processes each"
             )
-    check_node_order(layout, reports)
-    return False
-
-
-def check_node_order(layout: Topology, reports: Sequence[RankReport]) -> None:
-    """Where the config names hosts, each launcher node must run on the host named at its index.
-
-    torchrun's c10d rendezvous numbers hosts in the order they join, so node 0 may well be the config's node 2. One
-    host playing every node (holmes-launch) has nothing to check.
-    """
-    groups = {group.name: group for group in layout.spec.clusters}
-    named = {node.index: node.name.lower() for node in layout.nodes if groups[node.cluster].hostnames}
-    hosts = {report.node_rank: report.host for report in reports}
-    if not named or len({host[0] for host in hosts.values()}) == 1:
-        return
-    where = []
-    for index, name in named.items():
-        if _is_host(name, hosts[index]):
-            continue
-        found = next((i for i, other in named.items() if _is_host(other, hosts[index])), None)
-        is_at = f"config node {found}" if found is not None else "a host the config does not name"
-        where.append(f"launcher node {index} runs on {hosts[index][0]!r} ({is_at}), where the config has {name!r}")
-    if where:
-        raise TopologyError(
-            f"the launcher's node order differs from cluster {layout.name!r}: {'; '.join(where)}. torchrun's c10d "
-            f"rendezvous numbers hosts in the order they join: start each host with `torchrun --node-rank=<its "
-            f"index in the config> --master-addr=<node 0's host>` (static rendezvous), or list `hostnames` in "
-            f"launch order"
-        )
 
 
 def _is_host(name: str, host: tuple[str, ...]) -> bool:

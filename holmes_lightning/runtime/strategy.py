@@ -115,6 +115,10 @@ class HolmesStrategy(ModelParallelStrategy):
             runs the plan stored with its checkpoint again, uncalibrated, when the cluster, the number of pipeline
             layers and these settings are unchanged, so that it reproduces the uninterrupted run's losses; otherwise
             it plans afresh and logs why (`runtime.plan_reuse`).
+        min_nodes: train on the nodes that join when fewer than the cluster lists do, down to this many (None: every
+            node must join). torchrun's elastic agent (`--nnodes=MIN:MAX`) starts the nodes left after a failure;
+            they are matched to the config's by hostname (in its order where it names none), the plan is made for
+            them and the missing nodes are logged (`placement.attend`).
     """
 
     strategy_name = "holmes"
@@ -141,6 +145,7 @@ class HolmesStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         fsdp_on_one_rank: bool = False,
         replan: bool = False,
+        min_nodes: int | None = None,
     ) -> None:
         given = {"schedule": schedule, "partition": partition, "pp": pp, "dp": dp, "sharding": sharding}
         given.update(layout=layout, activation_checkpointing=activation_checkpointing)
@@ -167,6 +172,7 @@ class HolmesStrategy(ModelParallelStrategy):
         self.calibrate = calibrate
         self.fsdp_on_one_rank = fsdp_on_one_rank
         self.replan = replan
+        self.min_nodes = min_nodes
         self.costs = costs or MachineCosts()
         self.calibration: Calibration | None = None
         self.plan: Plan | None = (
@@ -249,7 +255,9 @@ class HolmesStrategy(ModelParallelStrategy):
         launch of the wrong size here, before Lightning's launcher starts any process."""
         if not isinstance(self.cluster_environment, NICGroupingEnvironment):
             source = cluster_source(self.cluster, nodes=self.num_nodes, processes_per_node=self.num_processes)
-            self.cluster_environment = NICGroupingEnvironment(source, inner=self.cluster_environment)
+            self.cluster_environment = NICGroupingEnvironment(
+                source, inner=self.cluster_environment, min_nodes=self.min_nodes
+            )
         spawned_here = not self.cluster_environment.creates_processes_externally
         self.cluster_environment.check_launch((self.num_processes, self.num_nodes) if spawned_here else None)
         super()._configure_launcher()

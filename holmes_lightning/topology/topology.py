@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from enum import Enum
 from pathlib import Path
@@ -326,24 +326,40 @@ class Topology:
 
     def without(self, lost: Iterable[str]) -> Topology:
         """The same machines less the nodes named in `lost` (`Node.name`: a hostname, or `<cluster>-node<i>`), ranks
-        numbered again node-major in config order; a cluster left with no node is dropped with its `pairs` entries.
-        Names of nodes without hostnames are given again in the smaller config."""
+        numbered again node-major in config order; see `keeping`."""
         lost = set(lost)
         unknown = sorted(lost - {node.name for node in self.nodes})
         if unknown:
             raise TopologyError(f"lost nodes {unknown} are not in cluster {self.name!r}; name nodes as it lists them")
-        groups, kept_names = [], []
-        for group in self.spec.clusters:
-            names = [node.name for node in self.nodes if node.cluster == group.name]
-            present = [name for name in names if name not in lost]
-            if present:
-                hostnames = present if group.hostnames else None
-                groups.append(replace(group, nodes=len(present), hostnames=hostnames))
-                kept_names.append(group.name)
-        if not groups:
+        return self.keeping([node.name for node in self.nodes if node.name not in lost])
+
+    def keeping(self, names: Sequence[str]) -> Topology:
+        """The nodes named, in the order given, as a smaller config: clusters in the order their first node comes,
+        ranks numbered node-major in that order. A cluster with no node named is dropped with its `pairs` entries;
+        nodes without hostnames are named again in the smaller config. A cluster's nodes must come one after another.
+        """
+        by_name = {node.name: node for node in self.nodes}
+        unknown = [name for name in names if name not in by_name]
+        if unknown or len(set(names)) < len(names):
+            raise TopologyError(f"nodes {list(names)}: each must be a node of cluster {self.name!r}, named once")
+        if not names:
             raise TopologyError(f"every node of cluster {self.name!r} is lost; nothing is left to train on")
-        pairs = [pair for pair in self.spec.inter_cluster.pairs if set(pair.clusters) <= set(kept_names)]
-        spec = replace(self.spec, clusters=groups, inter_cluster=replace(self.spec.inter_cluster, pairs=pairs))
+        order: dict[str, list[str]] = {}
+        for name in names:
+            cluster = by_name[name].cluster
+            if cluster in order and cluster != list(order)[-1]:
+                raise TopologyError(
+                    f"nodes {list(names)}: cluster {cluster!r}'s nodes are not one after another; a cluster's ranks "
+                    f"must be consecutive"
+                )
+            order.setdefault(cluster, []).append(name)
+        groups = {group.name: group for group in self.spec.clusters}
+        clusters = [
+            replace(groups[name], nodes=len(kept), hostnames=kept if groups[name].hostnames else None)
+            for name, kept in order.items()
+        ]
+        pairs = [pair for pair in self.spec.inter_cluster.pairs if set(pair.clusters) <= set(order)]
+        spec = replace(self.spec, clusters=clusters, inter_cluster=replace(self.spec.inter_cluster, pairs=pairs))
         return Topology(spec, self.measured)
 
     def homogeneous(self) -> Topology:
