@@ -40,7 +40,8 @@ class HolmesCheckpoint(ModelCheckpoint):
     `dirpath` must be one directory that every node sees (checked at start). On one of `signals` (SIGTERM by
     default) every rank saves at the next step boundary and training stops; the process then exits normally, and
     `resume=auto` (`checkpoint.latest`) continues from that checkpoint. `grace_s`: seconds from the signal to the
-    kill where SLURM's end time does not tell (torchrun's `--shutdown-timeout`, a Kubernetes grace period).
+    kill where SLURM's end time does not tell (torchrun's `--shutdown-timeout`, a Kubernetes grace period). After a
+    resume, rank 0 logs when the first step ends (`holmes: step N done, the first since resuming from step M`).
     """
 
     def __init__(
@@ -73,6 +74,7 @@ class HolmesCheckpoint(ModelCheckpoint):
         self._handlers: dict[signal.Signals, Any] = {}
         self._boundary_step = -1
         self._boundary_time = 0.0
+        self._resumed_from: int | None = None  # the step a resumed fit restored, until its first step ends
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -84,6 +86,7 @@ class HolmesCheckpoint(ModelCheckpoint):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         self._boundary_step, self._boundary_time = trainer.global_step, time.monotonic()
+        self._resumed_from = trainer.global_step if trainer.ckpt_path else None
         plan = getattr(trainer.strategy, "plan", None)
         self.step_s = plan.prediction.total_s if plan is not None else None
         if threading.current_thread() is threading.main_thread():
@@ -103,6 +106,10 @@ class HolmesCheckpoint(ModelCheckpoint):
             return
         now = time.monotonic()
         self.step_s, self._boundary_step, self._boundary_time = now - self._boundary_time, trainer.global_step, now
+        if self._resumed_from is not None:  # one line that training goes on (bench=elastic times the resume by it)
+            step, resumed = trainer.global_step, self._resumed_from
+            rank_zero_info(f"holmes: step {step} done, the first since resuming from step {resumed}")
+            self._resumed_from = None
         if not _any_rank(self.received is not None, trainer.strategy.root_device):
             return
         if not self._should_skip_saving_checkpoint(trainer):  # skipped when this step was just saved on schedule
