@@ -1,13 +1,15 @@
-"""`python -m holmes_lightning.bench [bench=short|full|paper_regime|regret|memory|overhead] [bench.variants=[...]]`.
+"""`python -m holmes_lightning.bench [bench=short|full|paper_regime|regret|memory|overhead|elastic] [bench.KEY=...]`.
 
 `bench=short` (default, README) takes about 4 minutes on 2 idle cores, `bench=full` (wider model, larger batch, 8
 measured steps) about 8; most of it is process start-up and the flat baselines' slow steps. `bench=paper_regime` (about
 10) derives its job from the planner's prediction for the paper's setting (`bench.regime`) and adds Holmes with the
 planner's free choice; `bench=regret` (about 7) measures every configuration of a small job against the planner's
 choice (`bench.regret`); `bench=memory` each rank's peak memory next to the planner's estimate (`bench.memory`);
-`bench=overhead` HolmesStrategy on one device against plain Lightning (`bench.overhead`). Needs root for the lab's
-namespaces (without, links are not shaped and it says so). Holmes runs at pp=2 (`strategy.pp`), the degrees the paper
-compares at; `strategy.pp=null` lets the planner choose.
+`bench=overhead` HolmesStrategy on one device against plain Lightning (`bench.overhead`); `bench=elastic` train.py
+with a rank killed after a checkpoint: the restart's phases, tokens/s before and after (`bench.elastic`; it plans as
+train.py does, not by `strategy` below). Needs root for the lab's namespaces (without, links are not shaped and it
+says so). Holmes runs at pp=2 (`strategy.pp`), the degrees the paper compares at; `strategy.pp=null` lets the planner
+choose.
 
 Method: the same GPT, byte corpus, global batch and steps for every variant, each started in the lab on its own
 emulated network: Holmes on the hybrid cluster, on its homogeneous limit (`Topology.homogeneous()`) and with the
@@ -34,6 +36,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from holmes_lightning.bench.config import BenchJobConfig, register_bench_configs
+from holmes_lightning.bench.elastic import run_elastic_bench
 from holmes_lightning.bench.memory import run_memory_bench
 from holmes_lightning.bench.model import BenchModel
 from holmes_lightning.bench.overhead import run_overhead_bench
@@ -63,6 +66,11 @@ def run(config: BenchJobConfig, out_dir: Path) -> Path:
         print(table)
         print(f"bench: wrote {out_dir / 'overhead.md'}, overhead.json and overhead.png")
         return out_dir / "overhead.md"
+    if settings.kind == "elastic":
+        _, table = run_elastic_bench(settings, out_dir)
+        print(table)
+        print(f"bench: wrote {out_dir / 'elastic.md'}, elastic.json and elastic.png")
+        return out_dir / "elastic.md"
     if settings.kind == "regret":
         _, table = run_regret_bench(settings, config.strategy, out_dir)
         print(table)

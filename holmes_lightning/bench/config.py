@@ -20,6 +20,7 @@ KINDS = {
     "memory": (*MEMORY_VARIANTS, *AC_VARIANTS),
     "overhead": OVERHEAD_VARIANTS,
     "regret": tuple(shipped_cluster_names()),
+    "elastic": tuple(shipped_cluster_names()),
 }
 
 
@@ -87,14 +88,52 @@ class ActivationsJob:
 
 
 @dataclass
+class ElasticJob:
+    """The elastic bench's job on each cluster: a checkpoint every `every_n_steps` steps; `kill_delay_s` after the
+    checkpoint number `checkpoints_before` is complete, rank `kill_rank` (null: the last) is SIGKILLed; after the
+    restart the job trains until `checkpoints_after` more. Tokens/s are measured between checkpoints of one launch, so
+    each side needs two at least."""
+
+    every_n_steps: int = 4
+    checkpoints_before: int = 3
+    checkpoints_after: int = 4
+    kill_rank: int | None = None
+    kill_delay_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.every_n_steps <= 0:
+            raise ConfigError(f"bench.elastic.every_n_steps={self.every_n_steps!r}: must be > 0")
+        for name in ("checkpoints_before", "checkpoints_after"):
+            if getattr(self, name) < 2:
+                raise ConfigError(
+                    f"bench.elastic.{name}={getattr(self, name)!r}: must be >= 2 (tokens/s are measured between two)"
+                )
+        if self.kill_rank is not None and self.kill_rank < 0:
+            raise ConfigError(f"bench.elastic.kill_rank={self.kill_rank!r}: must be >= 0, or null for the last rank")
+        if self.kill_delay_s < 0:
+            raise ConfigError(f"bench.elastic.kill_delay_s={self.kill_delay_s!r}: must be >= 0")
+
+    @property
+    def kill_step(self) -> int:
+        """The step of the checkpoint after which the rank dies."""
+        return self.every_n_steps * self.checkpoints_before
+
+    @property
+    def max_steps(self) -> int:
+        return self.every_n_steps * (self.checkpoints_before + self.checkpoints_after)
+
+
+@dataclass
 class BenchSettings:
     """One benchmark size: the model, batch and steps every variant runs, and how the cost model is calibrated.
 
     `kind`: "speed" (step times in the lab, `VARIANTS` and `FREE_CHOICE`), "memory" (each rank's peak memory next to
     the planner's estimate, on loopback: `MEMORY_VARIANTS` train `model`, `AC_VARIANTS` the `activations` job with
     activation checkpointing off, full and selective), "overhead" (HolmesStrategy on one device against plain
-    Lightning, alternated `repeats` times, `bench.overhead`) or "regret" (every configuration of a small job on each
-    shipped cluster config named in `variants`, measured, against the planner's choice; `bench.regret`).
+    Lightning, alternated `repeats` times, `bench.overhead`), "regret" (every configuration of a small job on each
+    shipped cluster config named in `variants`, measured, against the planner's choice; `bench.regret`) or "elastic"
+    (train.py on each cluster named in `variants`, a rank killed, the restart's phases and tokens/s before and after;
+    `elastic`, `bench.elastic`).
     `match`: derive the model, global batch and bandwidth scale from a reference setting instead (`RegimeMatch`).
     `prediction_tolerance`: how far each run's predicted step may be from the measured one. `calibration_seconds`: how
     long each distinct layer of the model is timed (`holmes_lightning.measure.calibration`).
@@ -126,6 +165,7 @@ class BenchSettings:
     match: RegimeMatch | None = None
     hf_model: HFModelConfig | None = None
     activations: ActivationsJob | None = None
+    elastic: ElasticJob | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -150,7 +190,7 @@ class BenchSettings:
             raise ConfigError(f"bench.repeats={self.repeats!r}: must be >= 1")
         if not self.prediction_tolerance > 0:
             raise ConfigError(f"bench.prediction_tolerance={self.prediction_tolerance!r}: must be > 0, e.g. 0.05")
-        if self.hf_model is not None and (self.kind == "memory" or self.match is not None):
+        if self.hf_model is not None and (self.kind in ("memory", "elastic") or self.match is not None):
             raise ConfigError(
                 f"bench.hf_model with bench.kind={self.kind}{' and bench.match' if self.match else ''}: this bench "
                 f"sizes the recipe's GPT; drop bench.hf_model (bench=hf, bench=overhead and bench=regret take it)"
@@ -159,6 +199,11 @@ class BenchSettings:
             raise ConfigError(
                 f"bench.variants={list(self.variants)!r}: the activation checkpointing runs train bench.activations "
                 f"(model, global_batch, microbatches); give it, as conf/bench/memory.yaml does"
+            )
+        if (self.kind == "elastic") != (self.elastic is not None):
+            raise ConfigError(
+                f"bench.elastic with bench.kind={self.kind}: give bench.elastic (the job's checkpoints and the rank "
+                f"killed) exactly when bench.kind=elastic, as conf/bench/elastic.yaml does"
             )
         if self.calibration_seconds < 0:
             raise ConfigError(f"bench.calibration_seconds={self.calibration_seconds!r}: must be >= 0, e.g. 1.5")
