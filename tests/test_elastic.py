@@ -8,7 +8,6 @@ import itertools
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from holmes_lightning.cli.config import ModelConfig
+from holmes_lightning.launch.processes import free_port, kill_rank
 from holmes_lightning.planner import BatchSettings, ModelProfile, PlanError, PlanOptions, best_plan
 from holmes_lightning.planner.survivors import _fewer_nodes, plan_on_most_nodes
 from holmes_lightning.topology import Topology
@@ -31,15 +31,7 @@ def kill_rank_after_first_checkpoint(checkpoints: Path, rank: int, run_dir: Path
     while not stop.is_set() and not any(checkpoints.glob("*/complete.json")):
         time.sleep(0.2)
     time.sleep(1.0)
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            command = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in environ and str(run_dir).encode() in command:
-            os.kill(int(pid), signal.SIGKILL)
-            return
+    kill_rank(rank, str(run_dir))
 
 
 def train_and_kill(tmp_path: Path, rank: int, *overrides: str) -> subprocess.CompletedProcess:
@@ -121,12 +113,6 @@ def test_a_lost_node_below_min_nodes_ends_the_job_with_the_reason(tmp_path):
     out = train_and_kill(tmp_path, 3, "elastic.max_restarts=1", "elastic.min_nodes=4")
     assert out.returncode == 137, out.stderr[-3000:]
     assert "holmes: node B-node1 lost; 3 nodes left, below elastic.min_nodes=4: the job ends" in out.stderr
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def kill_node(agent: subprocess.Popen) -> None:

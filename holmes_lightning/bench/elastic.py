@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -42,6 +41,7 @@ from holmes_lightning.bench.elastic_log import (
     speed,
     summary,
 )
+from holmes_lightning.launch.processes import kill_rank
 from holmes_lightning.measure.calibration import SECONDS_ENV
 from holmes_lightning.topology import Topology, config_dir
 
@@ -115,16 +115,9 @@ def kill_after_checkpoint(folder: Path, job: ElasticJob, rank: int, killed: list
             return
         time.sleep(0.05)
     time.sleep(job.kill_delay_s)
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            command = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in environ and str(folder).encode() in command:
-            killed.append(time.time())
-            os.kill(int(pid), signal.SIGKILL)
-            return
+    now = time.time()
+    if kill_rank(rank, str(folder)):
+        killed.append(now)
 
 
 def run_job(

@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from holmes_lightning.topology import Topology
@@ -27,6 +28,21 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def kill_rank(rank: int, marker: str) -> bool:
+    """SIGKILL the process that runs `rank` (its environment's RANK) of the job whose command line holds `marker`
+    (e.g. its output folder), as a lost machine would end it; False when no such process runs."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ and marker.encode() in command:
+            os.kill(int(pid), signal.SIGKILL)
+            return True
+    return False
 
 
 def rank_env(topology: Topology, rank: int, master_addr: str, master_port: int) -> dict[str, str]:
