@@ -3,10 +3,12 @@
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from holmes_lightning.planner import MachineCosts, StagePlan, simulate
 from holmes_lightning.planner.cost import GLOO_EARLY_BYTES, CostModel
-from holmes_lightning.planner.schedules import microbatch_problem, peak_stash, stage_actions
+from holmes_lightning.planner.schedules import held_at_peaks, microbatch_problem, peak_stash, stage_actions
 from holmes_lightning.planner.simulate import Timeline
 from holmes_lightning.topology import NICKind, Topology
 
@@ -151,8 +153,27 @@ def test_orders_follow_torch():
 
 
 def test_memory_in_flight():
-    assert peak_stash(stage_actions("GPipe", 0, 4, 8), [1.0]) == 8
-    assert [peak_stash(stage_actions("1F1B", s, 4, 8), [1.0]) for s in range(4)] == [4, 3, 2, 1]
+    assert peak_stash(held_at_peaks(stage_actions("GPipe", 0, 4, 8), 1), [1.0]) == 8
+    in_flight = [peak_stash(held_at_peaks(stage_actions("1F1B", s, 4, 8), 1), [1.0]) for s in range(4)]
+    assert in_flight == [4, 3, 2, 1]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    pp=st.integers(1, 6),
+    rounds=st.integers(1, 4),
+    chunks=st.integers(1, 4),
+    stash=st.lists(st.floats(0, 1e9), min_size=4, max_size=4),
+)
+def test_the_peak_stash_is_at_one_of_the_moments_kept(pp, rounds, chunks, stash):
+    """The running sum of forwards held, action by action, peaks at the largest weighted count `held_at_peaks` kept."""
+    for stage in range(pp):
+        actions = stage_actions("Interleaved1F1B", stage, pp, pp * rounds, chunks)
+        held = running = 0.0
+        for action in actions:
+            held += -stash[action.chunk] if action.backward else stash[action.chunk]
+            running = max(running, held)
+        assert peak_stash(held_at_peaks(actions, chunks), stash[:chunks]) == pytest.approx(running, rel=1e-12)
 
 
 def test_microbatch_minimums():

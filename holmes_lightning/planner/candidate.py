@@ -11,7 +11,7 @@ from holmes_lightning.planner.layout import Layout, StageHardware
 from holmes_lightning.planner.options import Backend, Checkpointing, Schedule
 from holmes_lightning.planner.plan_types import StagePlan, StepPrediction, locate_virtual, virtual_stage
 from holmes_lightning.planner.profile import ModelProfile
-from holmes_lightning.planner.schedules import peak_stash
+from holmes_lightning.planner.schedules import held_at_peaks, peak_stash
 from holmes_lightning.planner.sharing import CoreSharing
 from holmes_lightning.planner.simulate import BUFFERED_BACKENDS, Replay, simulate
 
@@ -65,7 +65,8 @@ class Candidate:
         self.all_busy = 1.0 if self.sharing is None else self.sharing.all_busy(pp)
         self.buffered = self.cost.backend in BUFFERED_BACKENDS
         self.orders = self.replay.orders
-        self.in_flight = [peak_stash(order, [1.0] * self.chunks) for order in self.orders]
+        self.held = [held_at_peaks(order, self.chunks) for order in self.orders]
+        self.in_flight = [peak_stash(held, [1.0] * self.chunks) for held in self.held]
         self.shapes = PathShapes.of(self.schedule, pp, self.microbatches, self.chunks)
         hardware, dp = self.hardware, self.layout.dp
         order = self.in_flight if self.chunks == 1 else range(pp)  # what memory needs of each stage's order
@@ -190,7 +191,7 @@ class Candidate:
             stash = self.in_flight[stage] * sum(self.stash_bytes(a, b, level) for a, b in placed)
         else:
             per_chunk = [0.0 if r is None else self.stash_bytes(*r, level) for r in ranges]
-            stash = peak_stash(self.orders[stage], per_chunk + [0.0] * (self.chunks - len(per_chunk)))
+            stash = peak_stash(self.held[stage], per_chunk + [0.0] * (self.chunks - len(per_chunk)))
         rerun = self._rerun[level]
         again = max((max(rerun[a:b]) for a, b in placed), default=0.0) if any(rerun) else 0.0
         return self.cost.memory_bytes(

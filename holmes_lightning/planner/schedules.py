@@ -77,10 +77,24 @@ def _interleaved(stage: int, pp: int, microbatches: int, chunks: int) -> list[Ac
     return actions
 
 
-def peak_stash(actions: Sequence[Action], stash_per_chunk: Sequence[float]) -> float:
-    """Most activation bytes held at once: forwards not yet matched by their backward."""
-    held = peak = 0.0
+def held_at_peaks(actions: Sequence[Action], chunks: int) -> tuple[tuple[int, ...], ...]:
+    """The micro-batches each chunk holds when a stage's stash can peak (after each forward), less the moments another
+    one matches or exceeds in every chunk: whatever each chunk's stash, its peak is at one of these (`peak_stash`)."""
+    held = [0] * chunks
+    moments: set[tuple[int, ...]] = set()
     for action in actions:
-        held += -stash_per_chunk[action.chunk] if action.backward else stash_per_chunk[action.chunk]
-        peak = max(peak, held)
-    return peak
+        held[action.chunk] += -1 if action.backward else 1
+        if not action.backward:
+            moments.add(tuple(held))
+
+    def covered(moment: tuple[int, ...]) -> bool:
+        return any(o != moment and all(a >= b for a, b in zip(o, moment, strict=True)) for o in moments)
+
+    return tuple(sorted(m for m in moments if not covered(m)))
+
+
+def peak_stash(held: Sequence[Sequence[int]], stash_per_chunk: Sequence[float]) -> float:
+    """Most activation bytes a stage holds at once (forwards not yet matched by their backward), from
+    `held_at_peaks`."""
+    weighted = (sum(n * stash for n, stash in zip(counts, stash_per_chunk, strict=True)) for counts in held)
+    return max(weighted, default=0.0)
