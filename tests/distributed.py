@@ -80,7 +80,7 @@ if rank == {failing_rank}:
         time.sleep(0.05)
     {failure}
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(f"rank {{rank}} stopped by SIGTERM"))
-print(os.getpid(), flush=True)
+os.write(1, f"{{os.getpid()}}\\n".encode())  # one write: the ranks' lines never interleave
 (ready / str(rank)).touch()
 signal.pause()
 """
