@@ -134,7 +134,7 @@ def test_torchrun_s_elastic_agent_restarts_the_job_on_the_nodes_left(tmp_path):
     endpoint = f"127.0.0.1:{free_port()}"
     agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2:3", "--nproc-per-node=1"]
     agent += ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=elastic-test"]
-    agent += ["--rdzv-conf=last_call_timeout=5", "--max-restarts=1", "train.py", "cluster=two_cluster_mixed"]
+    agent += ["--rdzv-conf=last_call_timeout=2", "--max-restarts=1", "train.py", "cluster=two_cluster_mixed"]
     agent += ["elastic.min_nodes=2", "trainer.max_steps=20", "checkpoint.every_n_steps=5", "resume=auto"]
     agent += [f"output_dir={tmp_path}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
