@@ -193,19 +193,29 @@ def one_chunk_path_s(
     clock = 0.0
     forward_end: list[float] = []
     backward_end: list[float] = []
+    forwards = backwards = 0  # the lists' lengths (this loop runs for most partial splits the search visits)
+    climbs = excursion is not None
     for step in walk.steps:
         if step == -2:
             for turns, seconds in descents:
-                j = min(turns[len(forward_end)], len(backward_end) - 1)
-                if j >= 0 and backward_end[j] + seconds > clock:
-                    clock = backward_end[j] + seconds
+                j = turns[forwards]
+                if j >= backwards:
+                    j = backwards - 1
+                if j >= 0:
+                    back = backward_end[j] + seconds
+                    if back > clock:
+                        clock = back
             clock += forward
             forward_end.append(clock)
+            forwards += 1
         else:
-            if excursion is not None and step >= 0 and forward_end[step] + excursion > clock:
-                clock = forward_end[step] + excursion
+            if climbs and step >= 0:
+                back = forward_end[step] + excursion
+                if back > clock:
+                    clock = back
             clock += backward
             backward_end.append(clock)
+            backwards += 1
     return clock
 
 

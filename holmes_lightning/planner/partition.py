@@ -187,21 +187,18 @@ class _Search:
 
     def _child(self, path: _Path, v: int, start: int, stop: int, bound: float) -> _Child | None:
         """Virtual stage v holding layers [start, stop) (None: its stage goes over the memory limit)."""
-        c, pp, chunks, m = self.candidate, self.pp, self.chunks, self.m
-        stage, chunk = locate_virtual(v, pp)
-        earlier = range(stage, v, pp)
-        ranges = [(path.start(u), path.stops[u]) for u in earlier] + [(start, stop)]
-        params = sum(c.param_bytes(a, b) for a, b in ranges)
-        level = c.level(stage, params, ranges)
-        if level is None:
+        c, chunks, m = self.candidate, self.chunks, self.m
+        stage, chunk = locate_virtual(v, self.pp)
+        costs = c.range_cost(v, start, stop) if chunks == 1 else self._chunk_costs(path, v, stage, start, stop)
+        if costs is None:
             return None
-        forward, backward = c.forward_s(stage, start, stop), c.backward_s(stage, start, stop, level)
-        send = c.send_s(v, stop)
-        work = sum(path.forward[u] + path.backward[u] for u in earlier) + forward + backward
-        tail, ends = None, 0.0
+        forward, backward, send, tail = costs
+        work = sum(path.forward[u] + path.backward[u] for u in range(stage, v, self.pp)) + forward + backward
+        ends = 0.0
         if chunk == chunks - 1:  # the stage is complete: its tail follows its last action, chunk 0's last backward
-            tail = c.tail_s(stage, params, sum(b - a for a, b in ranges), work)
             ends = path.down[v] - path.down[stage] + tail
+        else:
+            tail = None
         drain = ends if v == 0 else max(ends, path.drains[v - 1] + path.send[v - 1] + path.backward[v - 1])
         bound = max(bound, path.head[stage] + m * work + (tail or 0.0))  # all its actions follow its first one
         if v < self.virtual - 1:
@@ -214,6 +211,24 @@ class _Search:
             if chunks > 1:
                 bound = max(bound, self._load_s(path, v, stage, work, next_head, stop))
         return _Child(v, stage, start, stop, forward, backward, send, tail, drain, bound)
+
+    def _chunk_costs(
+        self, path: _Path, v: int, stage: int, start: int, stop: int
+    ) -> tuple[float, float, float, float] | None:
+        """(forward, backward, send, tail) of virtual stage v holding layers [start, stop) after its stage's earlier
+        chunks (one chunk per stage: `range_cost`, which caches them); tail 0 until the stage is complete."""
+        c, earlier = self.candidate, range(stage, v, self.pp)
+        ranges = [(path.start(u), path.stops[u]) for u in earlier] + [(start, stop)]
+        params = sum(c.param_bytes(a, b) for a, b in ranges)
+        level = c.level(stage, params, ranges)
+        if level is None:
+            return None
+        forward, backward = c.forward_s(stage, start, stop), c.backward_s(stage, start, stop, level)
+        tail = 0.0
+        if v + self.pp >= self.virtual:  # its last chunk: the stage is complete
+            work = sum(path.forward[u] + path.backward[u] for u in earlier) + forward + backward
+            tail = c.tail_s(stage, params, sum(b - a for a, b in ranges), work)
+        return forward, backward, c.send_s(v, stop), tail
 
     def _load_s(self, path: _Path, v: int, stage: int, work: float, next_head: float, stop: int) -> float:
         """Several chunks per stage: the stages with chunks left share the layers left, each after its own first

@@ -218,14 +218,15 @@ class Replay:
         through = [0.0] * n  # when each action's send was done for its sender
         arrival = [0.0] * n  # when each action's input arrived
         rendezvous, waits_then_posts = self.rendezvous, self.waits_then_posts
+        gate_of, after_gate_of, link_of, is_backward = self.gate, self.after_gate, self.link, self.backward
         for step in self.steps:
             if step < 0:  # the transfer into action ~step, timed when its stage is about to run it
                 i = ~step
-                source, link = waits_for[i], self.link[i]
+                source, link = waits_for[i], link_of[i]
                 ready = posted[source]
                 waiting = clock[virtual[i] % pp]  # the receiver posts its recv now
-                if waits_then_posts and self.gate[i] >= 0 and through[self.gate[i]] > waiting:
-                    waiting = through[self.gate[i]]
+                if waits_then_posts and gate_of[i] >= 0 and through[gate_of[i]] > waiting:
+                    waiting = through[gate_of[i]]
                 if link_free[link] > ready:
                     ready = link_free[link]
                 seconds = send[transfer[i]]
@@ -250,15 +251,15 @@ class Replay:
                 ready = arrival[step] if transfer[step] >= 0 else ends[source]
                 if ready > start:
                     start = ready
-            gate = self.gate[step]
+            gate = gate_of[step]
             if gate >= 0 and through[gate] > start:
                 start = through[gate]
             if durations is None:
-                end = start + (backward[k] if self.backward[step] else forward[k])
+                end = start + (backward[k] if is_backward[step] else forward[k])
             else:
                 end = start + durations[step]
             ends[step] = end
-            after = self.after_gate[step]
+            after = after_gate_of[step]
             if after >= 0 and through[after] > end:
                 end = through[after]
             posted[step] = clock[stage] = end
