@@ -1,4 +1,4 @@
-"""`python -m holmes_lightning.bench.planning [OUT_DIR]`: how long planning takes, 64 to 4,096 GPUs (no processes).
+"""`python -m holmes_lightning.bench.planning [OUT_DIR]`: how long planning takes, 64 to 32,768 GPUs (no processes).
 
 Plans GPT-7.5B (the paper's model) on clusters of 8-GPU nodes: two clusters (InfiniBand + RoCE), four alike
 clusters (2 IB + 2 RoCE: interchangeable, planned once), and four clusters that all differ (NIC speed and TFLOPS: every
@@ -27,7 +27,7 @@ from holmes_lightning.planner.search import SearchStats  # noqa: E402
 from holmes_lightning.topology import Topology  # noqa: E402
 
 GPT_7_5B = ModelConfig(name="gpt_7_5b", n_layers=36, d_model=4096, n_heads=32, seq_len=2048, vocab_size=50304)
-GPU_COUNTS = (64, 128, 256, 512, 1024, 2048, 4096)
+GPU_COUNTS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 SAMPLES_PER_GPU = 2  # global batch = 2 sequences of 2,048 tokens per GPU
 
 
