@@ -240,10 +240,12 @@ def launched_devices(topology: Topology, rank: int) -> dict[str, int]:
 
 
 def make_logger(config: TrainConfig, run_dir: str) -> Logger:
-    """CSV in the run directory, or a Weights & Biases run kept offline there (`wandb sync` uploads it later)."""
+    """CSV in the run directory (a restart after a lost node in `csv/restart-N`, so the runs before stay), or a
+    Weights & Biases run kept offline there (`wandb sync` uploads it later)."""
     if config.logger == "wandb":
         return WandbLogger(project="holmes-lightning", save_dir=run_dir, offline=True, config=asdict(config))
-    return CSVLogger(save_dir=run_dir, name="csv", version="")
+    restart = job.restart_count(os.environ)
+    return CSVLogger(save_dir=run_dir, name="csv", version=f"restart-{restart}" if restart else "")
 
 
 def cli() -> None:

@@ -10,6 +10,7 @@ before they exit. `train.py`, the bench and the probe start their ranks through 
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from holmes_lightning.cli.config import ConfigError, ElasticConfig, LabConfig, LabMode, error_line, register_configs
 from holmes_lightning.lab.run import run_in_lab
+from holmes_lightning.launch.job import RESTART_ENV
 from holmes_lightning.launch.processes import JobEnd, launch_job
 from holmes_lightning.topology import ClusterSpec, Topology, config_dir
 
@@ -68,7 +70,7 @@ def start_ranks(
     least = elastic.min_nodes or 1
     running = command
     for restart in range(elastic.max_restarts):
-        ended = _run_once(running, topology, lab)
+        ended = _run_once(running, topology, lab, restart)
         if ended.code == 0 or ended.died_on is None:
             return ended.code
         lost = topology.nodes[ended.died_on].name
@@ -95,13 +97,22 @@ def start_ranks(
             flush=True,
         )
         running = restart_command() if restart_command else command
-    return _run_once(running, topology, lab).code
+    return _run_once(running, topology, lab, elastic.max_restarts).code
 
 
-def _run_once(command: Sequence[str], topology: Topology, lab: LabConfig | None) -> JobEnd:
-    if lab is not None and lab.mode is LabMode.emulate:
-        return run_in_lab(topology, command, bandwidth_scale=lab.bandwidth_scale)
-    return launch_job(command, topology)
+def _run_once(command: Sequence[str], topology: Topology, lab: LabConfig | None, restart: int = 0) -> JobEnd:
+    """One start of the job, its ranks told how many restarts came before (`job.restart_count`)."""
+    previous = os.environ.get(RESTART_ENV)
+    os.environ[RESTART_ENV] = str(restart)  # the ranks inherit this process's environment
+    try:
+        if lab is not None and lab.mode is LabMode.emulate:
+            return run_in_lab(topology, command, bandwidth_scale=lab.bandwidth_scale)
+        return launch_job(command, topology)
+    finally:
+        if previous is None:
+            del os.environ[RESTART_ENV]
+        else:
+            os.environ[RESTART_ENV] = previous
 
 
 def parse_args(argv: Sequence[str]) -> tuple[LaunchConfig, list[str]]:

@@ -18,6 +18,15 @@ SCALE_TIMEOUT_S = 1800.0  # torch's default: NCCL builds communicators at the fi
 LOCAL_TIMEOUT_S = 120.0  # ranks our launcher starts on one machine (loopback, lab): a hang should end soon
 
 
+RESTART_ENV = "HOLMES_RESTART"  # set by holmes-launch's elastic loop: how many times it restarted the job
+
+
+def restart_count(environ: Mapping[str, str]) -> int:
+    """How many times the launcher restarted this job after a lost node: holmes-launch's elastic loop, or torchrun's
+    agent (`TORCHELASTIC_RESTART_COUNT`); 0 for the first start."""
+    return int(environ.get(RESTART_ENV) or environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+
+
 def run_name(environ: Mapping[str, str], now: datetime) -> str:
     """The run directory's name, the same on every rank of one job (each rank resolves it for itself).
 
