@@ -15,7 +15,6 @@ from dataclasses import asdict
 
 import hydra
 import lightning as L
-import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
@@ -224,9 +223,7 @@ def train(
         ],
         default_root_dir=run_dir,
     )
-    trainer.fit(model, datamodule=data, ckpt_path=config.resume)
-    if dist.is_initialized():  # every group ends here, in order, not in the interpreter's teardown
-        dist.destroy_process_group()
+    trainer.fit(model, datamodule=data, ckpt_path=config.resume)  # HolmesStrategy ends its process groups at exit
 
 
 def launched_devices(topology: Topology, rank: int) -> dict[str, int]:

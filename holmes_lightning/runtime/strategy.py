@@ -8,6 +8,7 @@ model (`runtime.assembly`); the steps run torch's pipeline schedule, checkpoints
 
 from __future__ import annotations
 
+import atexit
 import os
 import warnings
 from collections.abc import Iterator, Sequence
@@ -20,6 +21,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device,
@@ -78,6 +80,13 @@ from holmes_lightning.runtime.ties import Tie, across_stages, find_ties
 from holmes_lightning.topology import ClusterSpec, Topology
 
 NOT_YET = "is made in setup, after the DataModule's setup and configure_model: read it from train_dataloader() or later"
+
+
+def end_process_groups() -> None:
+    """At exit: end every process group before the interpreter's teardown, where gloo's threads can abort the process
+    ("terminate called without an active exception") after a run that went well."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class HolmesStrategy(ModelParallelStrategy):
@@ -304,6 +313,8 @@ class HolmesStrategy(ModelParallelStrategy):
         if self._process_group_backend == "nccl":
             kwargs.update(nccl_world(environment, self.root_device))
         _init_dist_connection(environment, self._process_group_backend, **kwargs)
+        atexit.unregister(end_process_groups)  # once, however many strategies a script sets up
+        atexit.register(end_process_groups)
 
     def _plan_and_build_mesh(self, trainer: pl.Trainer) -> None:
         """The plan (made once per strategy, so fit and a later validate share it; a resume's may be its checkpoint's),
