@@ -43,6 +43,7 @@ from holmes_lightning.bench.elastic_log import (
 )
 from holmes_lightning.launch.processes import kill_rank
 from holmes_lightning.measure.calibration import SECONDS_ENV
+from holmes_lightning.runtime.checkpoint import COMPLETE_FILE
 from holmes_lightning.topology import Topology, config_dir
 
 matplotlib.use("Agg")
@@ -108,7 +109,7 @@ def train_command(cluster: str, settings: BenchSettings, job: ElasticJob, folder
 def kill_after_checkpoint(folder: Path, job: ElasticJob, rank: int, killed: list[float], timeout_s: float) -> None:
     """Once the kill step's checkpoint is complete and `kill_delay_s` passed, SIGKILL `rank` of the job writing into
     `folder`; appends when (`time.time()`) to `killed`."""
-    complete = folder / "checkpoints" / f"step_{job.kill_step:06d}.ckpt" / "complete.json"
+    complete = folder / "checkpoints" / f"step_{job.kill_step:06d}.ckpt" / COMPLETE_FILE
     deadline = time.monotonic() + timeout_s
     while not complete.is_file():
         if time.monotonic() > deadline:
