@@ -96,6 +96,19 @@ def test_layout_invariants_on_random_topologies(topology):
     check_layout(topology, result)
 
 
+def test_groups_of_one_line_rate_but_another_transport_are_both_tried_first():
+    """Ethernet (TCP) and InfiniBand at 100 Gb/s deliver differently: either may be the first stage; IB and RoCE at one
+    rate deliver alike and stay interchangeable (one order)."""
+    clusters = [
+        {"name": "A", "nodes": 2, "devices_per_node": 2, "nic": {"kind": "ethernet", "gbps": 100}},
+        {"name": "B", "nodes": 2, "devices_per_node": 2, "nic": {"kind": "infiniband", "gbps": 100}},
+    ]
+    mixed = Topology.from_config({"name": "tcp_and_rdma", "clusters": clusters})
+    assert [[g.cluster for g in order] for order in group_orders(mixed)] == [["A", "B"], ["B", "A"]]
+    clusters[0]["nic"]["kind"] = "roce"
+    assert len(group_orders(Topology.from_config({"name": "rdma_twice", "clusters": clusters}))) == 1
+
+
 def test_two_cluster_mixed_puts_one_stage_per_cluster_and_beats_the_alternatives():
     topology = Topology.from_config("two_cluster_mixed")
     plans = compare_plans(topology, GPT_7_5B, BatchSettings(global_batch=64))

@@ -47,7 +47,8 @@ def dp_degrees(topology: Topology) -> list[int]:
 def group_orders(topology: Topology) -> list[tuple[NICGroup, ...]]:
     """Every order of the NIC groups, once per arrangement of interchangeable groups (config order first).
 
-    Two groups are interchangeable when they have the same size, devices per node, device speed and NIC speed, and
+    Two groups are interchangeable when they have the same size, devices per node, device speed and NIC speed, the
+    same link between their own nodes (as delivered: an Ethernet and an InfiniBand group of one line rate differ) and
     the same link to every other group: swapping them changes no cost. Beyond `MAX_GROUP_ORDERS` distinct orders,
     only those whose stage boundaries are the fastest are kept.
     """
@@ -166,7 +167,8 @@ def _interchangeable(topology: Topology, groups: tuple[NICGroup, ...]) -> list[i
     def shape(group: NICGroup) -> tuple:
         nodes = {topology.ranks[r].node for r in group.ranks}
         per_node = sorted(len(topology.nodes[n].ranks) for n in nodes)
-        return len(group.ranks), tuple(per_node), topology.device_tflops(group.ranks[0]), group.gbps
+        inside = topology.cluster_link(group.cluster, group.cluster)  # as delivered: RDMA and TCP differ at one rate
+        return len(group.ranks), tuple(per_node), topology.device_tflops(group.ranks[0]), group.gbps, inside
 
     def links(group: NICGroup) -> list[float]:
         return [topology.cluster_link(group.cluster, other.cluster).gbps for other in groups]
