@@ -23,6 +23,17 @@ CASES: dict[str, dict[str, Any]] = {
     "1f1b_auto": {"schedule": "1F1B", "partition": "auto", "validate": True},
     "1f1b_uniform": {"schedule": "1F1B", "partition": "uniform"},
     "interleaved_1f1b": {"schedule": "Interleaved1F1B", "partition": "uniform"},
+    # weight-gradient passes apart from input-gradient passes, FSDP2 inside each stage; then one chunk per stage
+    # (ZB1P), the cross-cluster hop between fabric hops, every layer recomputed before its input pass
+    "interleaved_zero_bubble": {"schedule": "InterleavedZeroBubble", "partition": "auto"},
+    "zero_bubble_pp4_full_checkpointing": {
+        "schedule": "InterleavedZeroBubble",
+        "partition": "uniform",
+        "pp": 4,
+        "dp": 1,
+        "chunks_per_stage": 1,
+        "checkpointing": "full",
+    },
     "1f1b_replicated_accumulate_2": {"schedule": "1F1B", "partition": "auto", "sharding": "none", "accumulate": 2},
     # each cluster's two stages pass activations in a group of their own on the fabric, the middle hop on TCP
     "1f1b_pp4_fabric_hops": {"schedule": "1F1B", "partition": "uniform", "pp": 4, "dp": 1},
@@ -52,6 +63,7 @@ def _trainer(max_steps: int, accumulate: int, validate: bool, **kwargs: Any) -> 
 def train_cases(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Rank side: fit every case with HolmesStrategy; per case the losses, partition and logged metrics."""
     from holmes_lightning import HolmesStrategy
+    from holmes_lightning.planner import PlanOptions
 
     results = {}
     for name, case in cases.items():
@@ -66,6 +78,7 @@ def train_cases(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
             pp=case.get("pp", 2),
             dp=case.get("dp", DP),
             activation_checkpointing=case.get("checkpointing", "off"),
+            options=PlanOptions(chunks_per_stage=case.get("chunks_per_stage", 2)),
             global_batch=GLOBAL_BATCH,
             microbatches=MICROBATCHES,
             timeout=120,
@@ -126,6 +139,8 @@ def test_partitions_run_as_planned_or_given(ranks: list[dict[str, Any]]) -> None
     assert ranks[0]["1f1b_uniform"]["chunks"] == [[[0, 3]], [[3, 6]]]
     assert ranks[0]["gpipe_uneven"]["chunks"] == [[[0, 2]], [[2, 6]]]
     assert [len(chunks) for chunks in ranks[0]["interleaved_1f1b"]["chunks"]] == [2, 2]
+    assert [len(chunks) for chunks in ranks[0]["interleaved_zero_bubble"]["chunks"]] == [2, 2]
+    assert ranks[0]["zero_bubble_pp4_full_checkpointing"]["chunks"] == [[[0, 2]], [[2, 4]], [[4, 5]], [[5, 6]]]
 
 
 @pytest.mark.slow
@@ -152,6 +167,7 @@ def test_checkpointed_stages_recompute_the_layers_the_plan_names(ranks: list[dic
         for case, wrapped in (
             ("1f1b_full_checkpointing", lambda i: True),
             ("gpipe_selective_checkpointing", lambda i: i % 2),
+            ("zero_bubble_pp4_full_checkpointing", lambda i: True),
         ):
             held = [i for a, b in rank[case]["chunks"][rank[case]["stage"]] for i in range(a, b)]
             assert rank[case]["recomputing"] == sum(1 for i in held if wrapped(i)) > 0

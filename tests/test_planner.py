@@ -1,5 +1,7 @@
 """The Holmes planner: layouts, the partition, degrees, feasibility errors and the comparison with alternatives."""
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -22,7 +24,9 @@ from holmes_lightning.planner import (
     best_plan_per_replica,
     compare_plans,
 )
+from holmes_lightning.planner.choice import STEP_TOLERANCE
 from holmes_lightning.planner.layout import dp_degrees, group_orders, holmes_layout
+from holmes_lightning.planner.options import MODELLED_SCHEDULES
 from holmes_lightning.topology import LinkKind, NICKind, Topology, shipped_cluster_names
 
 GPT_7_5B = ModelProfile.from_gpt(
@@ -434,3 +438,21 @@ def test_a_dataloaders_batch_per_replica_gets_the_fastest_dp_degree(topology, re
     assert chosen.prediction.tokens_per_s == max(plan.prediction.tokens_per_s for plan in per_degree)
     pinned = best_plan_per_replica(topology, GPT_SMALL, replica_batch, options=PlanOptions(dp=per_degree[0].dp))
     assert pinned == per_degree[0]
+
+
+@pytest.mark.parametrize("cluster", ["two_cluster_mixed", "multi_site"])
+def test_schedule_auto_takes_the_best_schedule_and_lists_each(cluster: str) -> None:
+    """`auto` plans every modelled schedule: the plan it returns is within the step tolerance of the fastest of them
+    (the least memory of those), and its notes give each schedule's predicted step and bubble."""
+    topology, batch = Topology.from_config(cluster), BatchSettings(global_batch=32)
+    each = {
+        schedule: best_plan(topology, GPT_SMALL, batch, options=PlanOptions(schedule=schedule))
+        for schedule in MODELLED_SCHEDULES
+    }
+    chosen = best_plan(topology, GPT_SMALL, batch, options=PlanOptions(schedule="auto"))
+    fastest = min(plan.prediction.total_s for plan in each.values())
+    assert chosen.schedule in MODELLED_SCHEDULES
+    assert chosen.prediction.total_s <= fastest * (1 + STEP_TOLERANCE)
+    assert chosen == replace(each[chosen.schedule], notes=chosen.notes)
+    for schedule, plan in each.items():
+        assert f"schedule {schedule.value}: step {plan.prediction.total_s:.4g} s" in "\n".join(chosen.notes)

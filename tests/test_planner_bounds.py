@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_planner_simulate import virtual_stages
 
-from holmes_lightning.planner import Schedule, simulate
+from holmes_lightning.planner import simulate
 from holmes_lightning.planner.bounds import (
     OneChunkWalk,
     PathShapes,
@@ -17,17 +17,19 @@ from holmes_lightning.planner.bounds import (
     stage_path_s,
     water_level_s,
 )
-from holmes_lightning.planner.schedules import microbatch_problem, stage_actions
+from holmes_lightning.planner.options import MODELLED_SCHEDULES
+from holmes_lightning.planner.schedules import WEIGHT, microbatch_problem
 
 seconds = st.floats(0.0, 5.0, allow_nan=False)
 
 
 @st.composite
 def pipelines(draw):
-    """A schedule with random per-virtual-stage forward/backward/send seconds and per-stage tails."""
-    schedule = draw(st.sampled_from(list(Schedule)))
+    """A schedule with random per-virtual-stage forward/backward/send seconds (and of each backward, its weight pass
+    where the schedule splits it), and per-stage tails."""
+    schedule = draw(st.sampled_from(MODELLED_SCHEDULES))
     pp, m = draw(st.integers(1, 6)), draw(st.integers(1, 12))
-    chunks = draw(st.integers(2, 3)) if schedule == "Interleaved1F1B" else 1
+    chunks = draw(st.integers(1 if schedule.splits_backward else 2, 3)) if schedule.interleaved else 1
     if microbatch_problem(schedule, pp, m):
         m = max(m, pp) if schedule == "1F1B" else pp
     virtual = pp * chunks
@@ -35,7 +37,8 @@ def pipelines(draw):
     backward = [f * draw(st.floats(0.5, 3.0)) for f in forward]
     send = [draw(st.sampled_from([0.0, 0.05, 0.5, 2.0])) for _ in range(virtual - 1)] + [0.0]
     tails = [draw(st.sampled_from([0.0, 0.3, 3.0])) for _ in range(pp)]
-    return schedule, pp, m, chunks, forward, backward, send, tails
+    weight = [b * draw(st.floats(0.0, 0.9)) for b in backward] if schedule.splits_backward else None
+    return schedule, pp, m, chunks, forward, backward, send, tails, weight
 
 
 @settings(max_examples=150, deadline=None)
@@ -43,12 +46,14 @@ def pipelines(draw):
 def test_every_path_bound_stays_under_the_simulated_step(pipeline, backend):
     """Each stage's path (with hops and excursions) and each virtual stage's (with cycles down), with their heads
     and drains, against the replay of the same step (gloo: sends done for their senders at the rendezvous)."""
-    schedule, pp, m, chunks, forward, backward, send, tails = pipeline
-    stages = virtual_stages(pp, forward=forward, backward=backward, sends=send, tails=tails)
+    schedule, pp, m, chunks, forward, full, send, tails, weight = pipeline
+    stages = virtual_stages(pp, forward=forward, backward=full, sends=send, tails=tails, weight=weight)
     step = simulate(stages, schedule, m, backend=backend).total_s
     virtual = pp * chunks
     shapes = PathShapes.of(schedule, pp, m, chunks)
-    orders = [stage_actions(schedule, s, pp, m, chunks) for s in range(pp)]
+    # a zero-bubble schedule's bounds: input passes as the backwards; the stage walk takes the weight passes too
+    backward = [b - w for b, w in zip(full, weight, strict=True)] if weight else full
+    weight = weight or [0.0] * virtual
     head = list(itertools.accumulate((f + c for f, c in zip(forward, send, strict=True)), initial=0.0))
     trip = list(
         itertools.accumulate((f + b + 2 * c for f, b, c in zip(forward, backward, send, strict=True)), initial=0.0)
@@ -62,27 +67,29 @@ def test_every_path_bound_stays_under_the_simulated_step(pipeline, backend):
     for v in range(virtual):
         climb = None if v == virtual - 1 else 2 * send[v] + trip[virtual] - trip[v + 1]
         cycles = [(shapes.descents[u], trip[v] - trip[u]) for u in range(v)]
-        path = one_chunk_path_s(shapes.walks[v], forward[v], backward[v], climb, cycles)
+        path = one_chunk_path_s(shapes.walks[v], forward[v], backward[v], climb, cycles, weight[v])
         assert head[v] + path + drains[v] <= step * (1 + 1e-9)
     for s in range(pp):
         own = [s + j * pp for j in range(chunks)]
         top = own[-1]
         hops = [sum(send[w] for w in range(u, u + pp)) for u in own[:-1]]
         path = stage_path_s(
-            order=orders[s],
+            order=shapes.orders[s],
             forward=[forward[u] for u in own],
             backward=[backward[u] for u in own],
             excursion=None if top == virtual - 1 else 2 * send[top] + trip[virtual] - trip[top + 1],
             turns=shapes.turns,
             up=[h + sum(forward[w] for w in range(u + 1, u + pp)) for h, u in zip(hops, own, strict=False)],
             down=[h + sum(backward[w] for w in range(u + 1, u + pp)) for h, u in zip(hops, own, strict=False)],
+            weight=[weight[u] for u in own],
         )
-        assert head[s] + path + max(tails[s], drains[s]) <= step * (1 + 1e-9)
+        trailing = sum(weight[own[j]] for j in shapes.trailing[s])
+        assert head[s] + path + max(tails[s] + trailing, drains[s]) <= step * (1 + 1e-9)
 
 
 @settings(max_examples=200, deadline=None)
 @given(
-    schedule=st.sampled_from(list(Schedule)),
+    schedule=st.sampled_from(MODELLED_SCHEDULES),
     pp=st.integers(1, 8),
     m=st.integers(1, 24),
     forward=st.floats(0.01, 2.0),
@@ -95,10 +102,10 @@ def test_the_closed_forms_of_a_one_chunk_path_equal_the_walk(schedule, pp, m, fo
     against the action-by-action longest path."""
     if microbatch_problem(schedule, pp, m):
         return
-    orders = [stage_actions(schedule, s, pp, m, 1) for s in range(pp)]
+    orders = [[a for a in order if a.part != WEIGHT] for order in PathShapes.of(schedule, pp, m, 1).orders]
     stage = data.draw(st.integers(0, pp - 1))
     walk = OneChunkWalk.of(orders[stage], latest_turns(orders[-1], 0, m))
-    if schedule != "Interleaved1F1B":
+    if not schedule.interleaved:
         assert walk.form in ("1F1B", "first")
     plain = OneChunkWalk(walk.steps, walk.turns, walk.skipped_forwards, walk.skipped_backwards, walk.previous)
     expected = stage_path_s(

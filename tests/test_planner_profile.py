@@ -33,6 +33,8 @@ def test_measured_and_analytic_profiles_agree(measured):
         is_block = ours.name.endswith("Block")
         assert ours.forward_flops == theirs.forward_flops - (attention_scores if is_block else 0)
         assert ours.backward_flops == 2 * ours.forward_flops
+        assert ours.weight_flops == theirs.weight_flops  # the linear layers' gradients: what a zero-bubble W runs
+    assert measured.layers[0].weight_flops == analytic.layers[0].weight_flops == 0.0  # an embedding's backward: none
     assert all(la.stash_bytes > 0 for la in measured.layers)
 
 

@@ -189,13 +189,14 @@ def test_no_expressible_plan_is_faster_than_the_returned_one(topology, request, 
 @given(
     topology=clusters(max_clusters=3, max_nodes=3, devices=(1,)),
     model=small_models(max_layers=9),
-    schedule=st.sampled_from(["1F1B", "GPipe", "Interleaved1F1B"]),
+    schedule=st.sampled_from(["1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble"]),
     per_rank=st.sampled_from([1, 3, 4, 8, 12]),
     data=st.data(),
 )
 def test_the_split_search_finds_the_best_of_every_split(topology, model, schedule, per_rank, data):
     """One layout at a time (random order, DP size, micro-batches, sharding): the branch and bound vs every split."""
-    chunks = 2 if schedule == "Interleaved1F1B" else 1
+    chunks = data.draw(st.sampled_from([1, 2])) if schedule == "InterleavedZeroBubble" else 1
+    chunks = 2 if schedule == "Interleaved1F1B" else chunks
     dps = [d for d in dp_degrees(topology) if topology.world_size // d * chunks <= model.num_layers]
     if not dps:
         return

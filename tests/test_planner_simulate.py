@@ -26,8 +26,9 @@ def stages(forward, backward, sends=None, syncs=None, chunks=1):
     )
 
 
-def virtual_stages(pp, *, forward, backward, sends, tails):
-    """`pp` stages with per virtual stage seconds (virtual stage v on stage v % pp) and per-stage exposed syncs."""
+def virtual_stages(pp, *, forward, backward, sends, tails, weight=None):
+    """`pp` stages with per virtual stage seconds (virtual stage v on stage v % pp; `weight`: of each backward, the
+    weight pass of a zero-bubble schedule) and per-stage exposed syncs."""
     chunks = len(forward) // pp
     return [
         StagePlan(
@@ -38,6 +39,7 @@ def virtual_stages(pp, *, forward, backward, sends, tails):
             nics=(NICKind.infiniband,),
             forward_s=tuple(forward[s + j * pp] for j in range(chunks)),
             backward_s=tuple(backward[s + j * pp] for j in range(chunks)),
+            weight_s=tuple(weight[s + j * pp] for j in range(chunks)) if weight else (),
             send_s=tuple(sends[s + j * pp] for j in range(chunks)),
             exposed_sync_s=tails[s],
         )
@@ -190,3 +192,28 @@ def test_exposed_sync_overlap_is_capped_by_the_pass_and_absent_in_a_pipeline():
     assert cost.exposed_sync_s(4.0, compute_s=10.0) == pytest.approx(1.0)  # 75% hidden
     assert cost.exposed_sync_s(4.0, compute_s=2.0) == pytest.approx(2.0)  # at most the pass's 2 s hidden
     assert cost.exposed_sync_s(4.0, compute_s=10.0, pipelined=True) == 4.0  # reduced after the schedule
+
+
+@pytest.mark.parametrize(
+    ("schedule", "chunks", "step"),
+    [
+        ("1F1B", 1, 33.0),
+        ("InterleavedZeroBubble", 1, 27.0),
+        ("Interleaved1F1B", 2, 28.5),
+        ("InterleavedZeroBubble", 2, 25.5),
+    ],
+)
+def test_weight_passes_fill_the_bubble_as_the_zero_bubble_paper_counts(schedule, chunks, step):
+    """4 equal stages, 8 micro-batches, free links, forward 1, backward 2 (input pass 1, weight pass 1): 1F1B's step
+    is (m + p - 1)(F + B); ZB1P's m(F + B) + (p - 1)(F + I - W) (Qi et al., ZB-H1); interleaving divides the bubble by
+    the chunks."""
+    pp, m, virtual = 4, 8, 4 * chunks
+    stages = virtual_stages(
+        pp,
+        forward=[1.0 / chunks] * virtual,
+        backward=[2.0 / chunks] * virtual,
+        sends=[0.0] * virtual,
+        tails=[0.0] * pp,
+        weight=[1.0 / chunks] * virtual,
+    )
+    assert simulate(stages, schedule, m).total_s == pytest.approx(step)

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-from holmes_lightning.planner.schedules import stage_actions
+from holmes_lightning.planner.schedules import FULL, INPUT, WEIGHT, stage_actions
 
 WORLD = 3
 ONE_NODE = {
@@ -35,26 +35,36 @@ CASES = [  # (schedule, pp, micro-batches, chunks per rank)
     ("Interleaved1F1B", 3, 6, 2),  # two rounds of 3
     ("Interleaved1F1B", 3, 8, 2),  # two rounds of 4: more micro-batches per round than stages
     ("Interleaved1F1B", 3, 6, 4),
+    ("InterleavedZeroBubble", 2, 4, 2),
+    ("InterleavedZeroBubble", 3, 2, 2),  # fewer micro-batches than stages: torch adds bubbles, the order stays
+    ("InterleavedZeroBubble", 3, 6, 2),
+    ("InterleavedZeroBubble", 3, 8, 2),
+    ("InterleavedZeroBubble", 3, 3, 1),  # one chunk per rank: ZB1P
 ]
 
 
 class RecordingStage(PipelineStage):
-    """A PipelineStage that notes (backward, chunk, micro-batch) of every forward and backward the schedule runs."""
+    """A PipelineStage that notes (backward, chunk, micro-batch, part) of every forward and backward the schedule runs
+    (a backward's part: all of it, its input pass or its weight pass)."""
 
-    def __init__(self, *args, record: list[tuple[bool, int, int]], chunk: int, **kwargs) -> None:
+    def __init__(self, *args, record: list[tuple[bool, int, int, str]], chunk: int, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.record, self.chunk = record, chunk
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
-        self.record.append((False, self.chunk, fwd_chunk_id))
+        self.record.append((False, self.chunk, fwd_chunk_id, FULL))
         return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
-    def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
-        self.record.append((True, self.chunk, bwd_chunk_id))
-        return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+    def backward_one_chunk(self, bwd_chunk_id: int, *args, full_backward: bool = True, **kwargs):
+        self.record.append((True, self.chunk, bwd_chunk_id, FULL if full_backward else INPUT))
+        return super().backward_one_chunk(bwd_chunk_id, *args, full_backward=full_backward, **kwargs)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+        self.record.append((True, self.chunk, bwd_chunk_id, WEIGHT))
+        return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
 
 
-def run_orders(cases: list[list]) -> list[list[tuple[bool, int, int]] | None]:
+def run_orders(cases: list[list]) -> list[list[tuple[bool, int, int, str]] | None]:
     """On each rank: one training step of every case on ranks 0..pp-1; this rank's order per case (None: idle)."""
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -64,7 +74,7 @@ def run_orders(cases: list[list]) -> list[list[tuple[bool, int, int]] | None]:
         if rank >= pp:
             orders.append(None)
             continue
-        record: list[tuple[bool, int, int]] = []
+        record: list[tuple[bool, int, int, str]] = []
         stages = [
             RecordingStage(
                 nn.Linear(4, 4),
@@ -103,7 +113,8 @@ def test_planner_orders_are_the_orders_torch_runs(case: int, torch_orders: list[
     schedule, pp, microbatches, chunks = CASES[case]
     for stage in range(pp):
         planned = [
-            [a.backward, a.chunk, a.microbatch] for a in stage_actions(schedule, stage, pp, microbatches, chunks)
+            [a.backward, a.chunk, a.microbatch, a.part]
+            for a in stage_actions(schedule, stage, pp, microbatches, chunks)
         ]
         assert planned == torch_orders[case][stage], f"stage {stage}"
     assert torch_orders[case][pp:] == [None] * (WORLD - pp)

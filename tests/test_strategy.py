@@ -285,6 +285,25 @@ def test_without_a_global_batch_the_dataloader_sets_it_or_is_told_how() -> None:
     assert "give the DataLoader a batch_size" in result["error"]
 
 
+def one_rank_compiled_layer_zero_bubble() -> str:
+    """Rank side: a user's model with one torch.compile'd pipeline layer under InterleavedZeroBubble; the refusal."""
+    model = TinyMLP()
+    model.layers[1] = torch.compile(model.layers[1])
+    strategy = HolmesStrategy(cluster=ONE_RANK, schedule="InterleavedZeroBubble", global_batch=GLOBAL_BATCH, timeout=60)
+    try:
+        _fit(model, strategy, 1, tiny_loader(GLOBAL_BATCH, GLOBAL_BATCH), nodes=1)
+    except ValueError as refused:
+        return str(refused)
+    return "trained"
+
+
+@pytest.mark.slow
+def test_a_zero_bubble_schedule_refuses_compiled_layers_with_what_to_use() -> None:
+    (message,) = run_ranks("test_strategy:one_rank_compiled_layer_zero_bubble", cluster=ONE_RANK, timeout_s=180)
+    assert "torch.compile'd modules (pipeline layers [1])" in message
+    assert "use schedule=Interleaved1F1B or 1F1B" in message
+
+
 def test_pipeline_without_the_contract_says_what_to_add() -> None:
     with pytest.raises(ContractError, match=r"PlainMLP to define pipeline_layers and pipeline_loss: add `def"):
         HolmesStrategy(cluster="two_cluster_mixed", pp=2).connect(PlainMLP())

@@ -32,6 +32,15 @@ def backward(flow: Flow) -> None:
     torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
 
 
+def input_gradients(flow: Flow, inputs: Flow) -> None:
+    """The backward of `backward` as far as the floating `inputs` only (no weight gradients), the graph kept."""
+    outputs = [t for t in as_tuple(flow) if t.requires_grad]
+    wanted = [t for t in as_tuple(inputs) if t.requires_grad]
+    if outputs and wanted:
+        grad_outputs = [torch.ones_like(t) for t in outputs]
+        torch.autograd.grad(outputs, wanted, grad_outputs, retain_graph=True, allow_unused=True)
+
+
 def nbytes(flow: Flow) -> int:
     return sum(t.numel() * t.element_size() for t in as_tuple(flow))
 

@@ -21,7 +21,16 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.flop_counter import FlopCounterMode
 
-from holmes_lightning.measure.layer_io import Flow, apply, as_tuple, backward, detached, moved, nbytes
+from holmes_lightning.measure.layer_io import (
+    Flow,
+    apply,
+    as_tuple,
+    backward,
+    detached,
+    input_gradients,
+    moved,
+    nbytes,
+)
 from holmes_lightning.planner.profile import LayerProfile, ModelProfile
 
 
@@ -59,7 +68,7 @@ def measure_layers(modules: list[nn.Module], sample: Flow, time_repeats: int = 0
     for index, module in enumerate(modules):
         inputs = detached(x, requires_grad=True)
         try:
-            forward_flops, backward_flops, stash, out = _count(module, inputs, on_meta=on_meta)
+            forward_flops, backward_flops, input_flops, stash, out = _count(module, inputs, on_meta=on_meta)
         except (NotImplementedError, RuntimeError) as error:
             if not on_meta:
                 raise
@@ -83,14 +92,16 @@ def measure_layers(modules: list[nn.Module], sample: Flow, time_repeats: int = 0
                 stash_bytes=stash / batch,
                 forward_s=None if seconds[0] is None else seconds[0] / batch,
                 backward_s=None if seconds[1] is None else seconds[1] / batch,
+                weight_flops=(backward_flops - input_flops) / batch,
             )
         )
         x = detached(out)
     return layers, tokens
 
 
-def _count(module: nn.Module, inputs: Flow, *, on_meta: bool) -> tuple[float, float, float, Flow]:
-    """Forward FLOPs, backward FLOPs, bytes autograd saves for backward (parameters excluded), and the output.
+def _count(module: nn.Module, inputs: Flow, *, on_meta: bool) -> tuple[float, float, float, float, Flow]:
+    """Forward FLOPs, backward FLOPs, of those the input gradients' (the rest computes weight gradients), bytes
+    autograd saves for backward (parameters excluded), and the output.
 
     Saved tensors count once per storage they hold (views of one tensor share it), which also works on meta tensors.
     On meta, the saved bytes come from a second forward with attention as the fused kernel runs it (`FusedAttention`);
@@ -108,6 +119,8 @@ def _count(module: nn.Module, inputs: Flow, *, on_meta: bool) -> tuple[float, fl
     hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
     with torch.enable_grad(), hooks, FlopCounterMode(display=False) as forward_counter:
         out = apply(module, inputs)
+    with FlopCounterMode(display=False) as input_counter:
+        input_gradients(out, inputs)
     with FlopCounterMode(display=False) as backward_counter:
         backward(out)
     module.zero_grad(set_to_none=True)
@@ -115,7 +128,8 @@ def _count(module: nn.Module, inputs: Flow, *, on_meta: bool) -> tuple[float, fl
         saved.clear()
         with torch.enable_grad(), hooks, FusedAttention():
             apply(module, inputs)
-    return forward_counter.get_total_flops(), backward_counter.get_total_flops(), float(sum(saved.values())), out
+    flops = forward_counter.get_total_flops(), backward_counter.get_total_flops(), input_counter.get_total_flops()
+    return *flops, float(sum(saved.values())), out
 
 
 class FusedAttention(TorchFunctionMode):

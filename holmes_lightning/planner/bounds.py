@@ -21,13 +21,14 @@ from dataclasses import dataclass, field
 from functools import cache
 
 from holmes_lightning.planner.options import Schedule
-from holmes_lightning.planner.schedules import Action
+from holmes_lightning.planner.schedules import WEIGHT, Action
 from holmes_lightning.planner.simulate import Replay
 
 ROUNDING = 1e-12  # relative slack for bounds summed in another order than the simulator sums the same seconds
 
-# (virtual stage, first layer, stop layer) -> (forward s, backward s, send s, tail s), or None if it cannot fit
-RangeCost = Callable[[int, int, int], "tuple[float, float, float, float] | None"]
+# (virtual stage, first layer, stop layer) -> (forward s, backward s, send s, tail s, weight s), or None if it cannot
+# fit; the backward is what the previous virtual stage waits for, the weight passes (zero-bubble schedules) the rest
+RangeCost = Callable[[int, int, int], "tuple[float, float, float, float, float] | None"]
 
 
 def latest_turns(top_order: Sequence[Action], chunk: int, microbatches: int) -> list[int]:
@@ -37,7 +38,7 @@ def latest_turns(top_order: Sequence[Action], chunk: int, microbatches: int) -> 
     """
     forwards, latest = 0, [-1] * microbatches
     for action in top_order:
-        if action.chunk != chunk:
+        if action.chunk != chunk or action.part == WEIGHT:
             continue
         if action.backward:
             latest[action.microbatch] = forwards - 1
@@ -50,12 +51,13 @@ def latest_turns(top_order: Sequence[Action], chunk: int, microbatches: int) -> 
 class OneChunkWalk:
     """A one-chunk stage's actions, for the longest path through them with excursions (`one_chunk_path_s`).
 
-    `steps`: per action -2 a forward, -1 a backward no excursion reaches, else the index (among the stage's forwards)
-    of the forward an excursion to this backward leaves from, the latest the top stage allows. Per backward, for
-    `path_s`: its step, the forwards and backwards an excursion to it skips, and the last backward whose excursion
-    ends before this one leaves (-1: none). `form`: "1F1B" (excursion j skips min(w-1, m-1-j) forwards and min(j, w-1)
-    backwards and may follow excursion j - w; w = `warmup`), "first" (one excursion at most, the first backward's the
-    best, as GPipe), else "any": `path_s` then has a closed form, or one pass over the backwards.
+    `steps`: per action -3 a weight pass, -2 a forward, -1 a backward no excursion reaches, else the index (among
+    the stage's forwards) of the forward an excursion to this backward leaves from, the latest the top stage allows.
+    Per backward, for `path_s`: its step, the forwards, backwards and weight passes an excursion to it skips, and the
+    last backward whose excursion ends before this one leaves (-1: none). `form`: "1F1B" (excursion j skips
+    min(w-1, m-1-j) forwards and min(j, w-1) backwards and may follow excursion j - w; w = `warmup`), "first" (one
+    excursion at most, the first backward's the best, as GPipe), else "any": `path_s` then has a closed form, or one
+    pass over the backwards. `weights`: how many weight passes (a zero-bubble schedule's) the walk holds.
     """
 
     steps: tuple[int, ...]
@@ -65,47 +67,58 @@ class OneChunkWalk:
     previous: tuple[int, ...]
     form: str = "any"
     warmup: int = 0
+    skipped_weights: tuple[int, ...] = ()
+    weights: int = 0
 
     @classmethod
     def of(cls, order: Sequence[Action], top_turns: Sequence[int]) -> OneChunkWalk:
-        steps, forward_at, backward_at = [], [], []
+        steps, forward_at, backward_at, weight_at = [], [], [], []
         for position, action in enumerate(order):
-            if action.backward:
+            if action.part == WEIGHT:
+                steps.append(-3)
+                weight_at.append(position)
+            elif action.backward:
                 steps.append(min(top_turns[action.microbatch], len(forward_at) - 1))
                 backward_at.append(position)
             else:
                 steps.append(-2)
                 forward_at.append(position)
         turns = tuple(steps[position] for position in backward_at)
-        skipped_forwards, skipped_backwards, previous = [], [], []
+        skipped_forwards, skipped_backwards, skipped_weights, previous = [], [], [], []
         for b, position in enumerate(backward_at):
             leaves = forward_at[turns[b]] if turns[b] >= 0 else position
             skipped_forwards.append(bisect_left(forward_at, position) - bisect_right(forward_at, leaves))
             skipped_backwards.append(b - bisect_right(backward_at, leaves))
+            skipped_weights.append(bisect_left(weight_at, position) - bisect_right(weight_at, leaves))
             previous.append(bisect_left(backward_at, leaves) - 1)
         m, w = len(backward_at), bisect_left(forward_at, backward_at[0]) if backward_at else 0
-        form = "any"
-        if all(
+        form = "any"  # also with weight passes: the closed forms count forwards and backwards only
+        if not weight_at and all(
             (turns[j], skipped_forwards[j], skipped_backwards[j], previous[j])
             == (j, min(w - 1, m - 1 - j), min(j, w - 1), max(j - w, -1))
             for j in range(m)
         ):
             form = "1F1B"
-        elif m and all(
-            previous[j] == -1
-            and turns[j] >= 0
-            and skipped_forwards[j] >= skipped_forwards[0]
-            and skipped_backwards[j] >= skipped_backwards[0]
-            for j in range(m)
+        elif (
+            not weight_at
+            and m
+            and all(
+                previous[j] == -1
+                and turns[j] >= 0
+                and skipped_forwards[j] >= skipped_forwards[0]
+                and skipped_backwards[j] >= skipped_backwards[0]
+                for j in range(m)
+            )
         ):
             form = "first"
-        return cls(tuple(steps), turns, tuple(skipped_forwards), tuple(skipped_backwards), tuple(previous), form, w)
+        skipped = tuple(skipped_forwards), tuple(skipped_backwards)
+        return cls(tuple(steps), turns, *skipped, tuple(previous), form, w, tuple(skipped_weights), len(weight_at))
 
-    def path_s(self, forward: float, backward: float, excursion: float | None) -> float:
+    def path_s(self, forward: float, backward: float, excursion: float | None, weight: float = 0.0) -> float:
         """`one_chunk_path_s` without descents: every action, plus the excursions with the largest total gain (each
         replaces the actions it skips by `excursion`; each leaves after the one before came back)."""
-        backwards = len(self.turns)
-        total = (len(self.steps) - backwards) * forward + backwards * backward
+        backwards, weights = len(self.turns), self.weights
+        total = (len(self.steps) - backwards - weights) * forward + backwards * backward + weights * weight
         if excursion is None:
             return total
         if self.form == "first":
@@ -125,6 +138,8 @@ class OneChunkWalk:
         best = 0.0
         for b in range(backwards):
             gain = excursion - self.skipped_forwards[b] * forward - self.skipped_backwards[b] * backward
+            if weights:
+                gain -= self.skipped_weights[b] * weight
             if self.turns[b] >= 0 and gain > 0:
                 before = self.previous[b]
                 gain += best_by[before] if before >= 0 else 0.0
@@ -137,10 +152,16 @@ class OneChunkWalk:
 class PathShapes:
     """What the path bounds need of one schedule's orders (`pp` stages, `microbatches`, `chunks` per stage).
 
-    Per virtual stage, its chunk's actions in its stage's order (the other chunks' left out): `walks` (their
-    `OneChunkWalk`) and `descents` (their `descent_turns`); `turns`: `latest_turns` of the last virtual stage.
+    A zero-bubble schedule's backwards count as their input passes (what the stage below waits for); its weight
+    passes wait for nothing but their stage. `orders`: each stage's actions up to its last input pass (`stage_path_s`
+    walks them), `trailing`: the chunks of the weight passes after it (they delay the stage's tail, not the gradient
+    going down). Per virtual stage, its chunk's forwards and backwards in its stage's order (the other chunks' and
+    the weight passes left out): `walks` (their `OneChunkWalk`) and `descents` (their `descent_turns`); `turns`:
+    `latest_turns` of the last virtual stage.
     """
 
+    orders: tuple[tuple[Action, ...], ...]
+    trailing: tuple[tuple[int, ...], ...]
     turns: tuple[int, ...]
     walks: tuple[OneChunkWalk, ...]
     descents: tuple[tuple[int, ...], ...]
@@ -148,13 +169,20 @@ class PathShapes:
     @classmethod
     @cache
     def of(cls, schedule: Schedule, pp: int, microbatches: int, chunks: int) -> PathShapes:
-        orders = Replay.of(schedule, pp, microbatches, chunks).orders
-        chunk_orders = [
-            [action for action in orders[virtual % pp] if action.chunk == virtual // pp]
-            for virtual in range(pp * chunks)
-        ]
+        orders, trailing = [], []
+        for order in Replay.of(schedule, pp, microbatches, chunks).orders:
+            last = max((p for p, action in enumerate(order) if action.part != WEIGHT), default=-1)
+            orders.append(tuple(order[: last + 1]))
+            trailing.append(tuple(action.chunk for action in order[last + 1 :]))
+        chunk_orders = []  # each up to its last input pass: the weight passes after it delay no gradient
+        for virtual in range(pp * chunks):
+            own = [action for action in orders[virtual % pp] if action.chunk == virtual // pp]
+            last = max((p for p, action in enumerate(own) if action.part != WEIGHT), default=-1)
+            chunk_orders.append(own[: last + 1])
         turns = tuple(latest_turns(chunk_orders[-1], chunks - 1, microbatches))
         return cls(
+            tuple(orders),
+            tuple(trailing),
             turns,
             tuple(OneChunkWalk.of(order, turns) for order in chunk_orders),
             tuple(tuple(descent_turns(order, microbatches)) for order in chunk_orders),
@@ -168,6 +196,8 @@ def descent_turns(order: Sequence[Action], microbatches: int) -> list[int]:
     """
     backwards, latest = 0, [-1] * microbatches
     for action in order:
+        if action.part == WEIGHT:
+            continue
         if action.backward:
             backwards += 1
         else:
@@ -181,15 +211,17 @@ def one_chunk_path_s(
     backward: float,
     excursion: float | None,
     descents: Sequence[tuple[Sequence[int], float]] = (),
+    weight: float = 0.0,
 ) -> float:
-    """`stage_path_s` of a stage with one chunk, from its first action's start to its last action's end.
+    """`stage_path_s` of a stage with one chunk, from its first action's start to its last action's end (`weight`:
+    each weight pass's seconds).
 
     `descents`: (that stage's `descent_turns`, seconds) per earlier stage: a path may leave this stage at a backward,
     go down to that stage with the gradient, and climb back with a later micro-batch (a cycle across slow links or
     slow stages below, seconds: every action and both transfers between the two stages, that stage's included).
     """
     if not descents:
-        return walk.path_s(forward, backward, excursion)
+        return walk.path_s(forward, backward, excursion, weight)
     clock = 0.0
     forward_end: list[float] = []
     backward_end: list[float] = []
@@ -208,6 +240,8 @@ def one_chunk_path_s(
             clock += forward
             forward_end.append(clock)
             forwards += 1
+        elif step == -3:
+            clock += weight
         else:
             if climbs and step >= 0:
                 back = forward_end[step] + excursion
@@ -228,11 +262,14 @@ def stage_path_s(
     turns: Sequence[int],
     up: Sequence[float],
     down: Sequence[float],
+    weight: Sequence[float] = (),
 ) -> float:
-    """Longest path through one stage's actions (per chunk seconds), from its first action's start to its last's end.
+    """Longest path through one stage's actions (per chunk seconds), from its first action's start to its last's end
+    (`PathShapes.orders`: a zero-bubble schedule's up to its last input pass).
 
     It may leave at a forward of the top chunk and come back at a backward `excursion` later (None: the stage runs
     the last virtual stage), and hop from chunk j to j + 1 (`up[j]`) or back (`down[j]`) through the stages between.
+    A zero-bubble schedule's weight passes in `order` take `weight[j]` each and wait for nothing but the stage.
     """
     chunks = len(forward)
     top = chunks - 1
@@ -242,6 +279,9 @@ def stage_path_s(
     clock = 0.0
     for action in order:
         j, mb = action.chunk, action.microbatch
+        if action.part == WEIGHT:
+            clock += weight[j]
+            continue
         start = clock
         if action.backward:
             if j == top:
@@ -327,27 +367,27 @@ class SuffixBounds:
             for x in range(u, layers - later):
                 stops = range(layers, layers + 1) if later == 0 else range(x + 1, layers - later + 1)
                 best_chain = inf
-                reach, relay = [], []  # per stop: (floor of the value, stop, forward, backward, climb, tail, past)
+                reach, relay = [], []  # per stop: (value's floor, stop, forward, backward, weight, climb, tail, past)
                 for y in stops:
                     costs = cost(u, x, y)
                     if costs is None:
                         continue
-                    forward, backward, send, tail = costs
+                    forward, backward, send, tail, weight = costs
                     work = forward + backward
-                    floor = m * work  # the stage's path is at least this
+                    floor = m * (work + weight)  # the stage's path is at least this
                     if floor + tail >= keep:
                         continue
                     if later == 0:
                         best_chain = min(best_chain, work)
-                        reach.append((floor + tail, y, forward, backward, None, tail, 0.0))
-                        relay.append((floor, y, forward, backward, None, 0.0, 0.0))
+                        reach.append((floor + tail, y, forward, backward, weight, None, tail, 0.0))
+                        relay.append((floor, y, forward, backward, weight, None, 0.0, 0.0))
                         continue
                     climb = 2 * send + chain_above[y]
                     best_chain = min(best_chain, work + climb)
                     past = forward + send + reach_above[y]
-                    reach.append((max(floor + tail, past), y, forward, backward, climb, tail, past))
+                    reach.append((max(floor + tail, past), y, forward, backward, weight, climb, tail, past))
                     past = work + 2 * send + relay_above[y]
-                    relay.append((max(floor, past), y, forward, backward, climb, 0.0, past))
+                    relay.append((max(floor, past), y, forward, backward, weight, climb, 0.0, past))
                 tables.chain[u][x] = best_chain
                 tables.reach[u][x] = tables._least(reach, walks[u], u, x)
                 tables.relay[u][x] = tables._least(relay, walks[u], u, x)
@@ -364,11 +404,11 @@ class SuffixBounds:
         The path (at least its floor, m x work) is computed only for ranges whose floor could still give the least.
         """
         best = math.inf
-        for floor, y, forward, backward, climb, tail, past in sorted(options):
+        for floor, y, forward, backward, weight, climb, tail, past in sorted(options):
             if floor >= best:
                 break
             key = (u, x, y)
             if key not in self.paths:
-                self.paths[key] = walk.path_s(forward, backward, climb)
+                self.paths[key] = walk.path_s(forward, backward, climb, weight)
             best = min(best, max(self.paths[key] + tail, past))
         return best

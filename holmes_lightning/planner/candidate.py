@@ -24,7 +24,7 @@ class RangeCosts:
     costs depend on its speed, links, DP size and order, not on where the layout puts it."""
 
     ids: dict[tuple, int] = field(default_factory=dict)
-    values: dict[tuple, tuple[tuple[float, float, float, float], float] | None] = field(default_factory=dict)
+    values: dict[tuple, tuple[tuple[float, float, float, float, float], float] | None] = field(default_factory=dict)
 
     def stage_id(self, stage: tuple) -> int:
         return self.ids.setdefault(stage, len(self.ids))
@@ -56,6 +56,7 @@ class Candidate:
     memory_ceiling: float | None = None
 
     def __post_init__(self) -> None:
+        self.schedule = Schedule(self.schedule)
         pp, layers, mb = self.layout.pp, self.cost.profile.layers, self.microbatch_size
         self.virtual = pp * self.chunks
         self.replay = Replay.of(self.schedule, pp, self.microbatches, self.chunks)
@@ -64,8 +65,7 @@ class Candidate:
         # the optimizer step (and a pass without pipeline) runs while every rank computes
         self.all_busy = 1.0 if self.sharing is None else self.sharing.all_busy(pp)
         self.buffered = self.cost.backend in BUFFERED_BACKENDS
-        self.orders = self.replay.orders
-        self.held = [held_at_peaks(order, self.chunks) for order in self.orders]
+        self.held = [held_at_peaks(order, self.chunks) for order in self.replay.orders]
         self.in_flight = [peak_stash(held, [1.0] * self.chunks) for held in self.held]
         self.shapes = PathShapes.of(self.schedule, pp, self.microbatches, self.chunks)
         hardware, dp = self.hardware, self.layout.dp
@@ -78,6 +78,7 @@ class Candidate:
             for s in range(pp)
         ]
         reruns = [mode.recomputed(len(layers)) for mode in self.checkpointing]
+        self.splits = self.schedule.splits_backward
         per_speed = {}
         for speed in set(self.hardware.tflops):
             forward, backward = self.cost.microbatch_seconds(speed, mb, dp=dp, pipelined=self.pipelined)
@@ -85,9 +86,11 @@ class Candidate:
                 _cumulative([b + f * again for f, b, again in zip(forward, backward, rerun, strict=True)])
                 for rerun in reruns
             ]
-            per_speed[speed] = (_cumulative(forward), per_level)
+            weight = [b * layer.weight_share if self.splits else 0.0 for b, layer in zip(backward, layers, strict=True)]
+            per_speed[speed] = (_cumulative(forward), per_level, _cumulative(weight))
         self._forward = [per_speed[speed][0] for speed in self.hardware.tflops]
         self._backward = [per_speed[speed][1] for speed in self.hardware.tflops]  # [stage][level]
+        self._weight = [per_speed[speed][2] for speed in self.hardware.tflops]
         self._params = _cumulative([layer.param_bytes for layer in layers])
         self._stash = [
             _cumulative([self._kept_bytes(i, again) * mb for i, again in enumerate(rerun)]) for rerun in reruns
@@ -126,6 +129,17 @@ class Candidate:
         checkpointing says."""
         cumulative = self._backward[stage][level]
         return cumulative[stop] - cumulative[start]
+
+    def weight_s(self, stage: int, start: int, stop: int) -> float:
+        """Of `backward_s`, the weight-gradient pass a zero-bubble schedule runs apart (0 for other schedules); a
+        checkpointed layer runs its forward again before its input pass, so this does not depend on the level."""
+        return self._weight[stage][stop] - self._weight[stage][start]
+
+    def gradient_s(self, stage: int, start: int, stop: int, level: int = 0) -> float:
+        """What the previous virtual stage waits for of one backward: all of it, or its input pass alone where the
+        weight pass runs apart. The partition search bounds the step with these (the weight passes left out:
+        nothing waits for them), then simulates every split it keeps with both (`step_s`)."""
+        return self.backward_s(stage, start, stop, level) - self.weight_s(stage, start, stop)
 
     def send_s(self, virtual_stage: int, stop: int) -> float:
         """One micro-batch's activation (or gradient) from a virtual stage ending at layer `stop` to the next one."""
@@ -218,8 +232,9 @@ class Candidate:
     def _under_ceiling(self, memory: float) -> bool:
         return self.memory_ceiling is None or memory <= self.memory_ceiling
 
-    def range_cost(self, virtual_stage: int, start: int, stop: int) -> tuple[float, float, float, float] | None:
-        """(forward, backward, send, tail) seconds of one virtual stage alone; None if it alone exceeds memory.
+    def range_cost(self, virtual_stage: int, start: int, stop: int) -> tuple[float, float, float, float, float] | None:
+        """(forward, backward, send, tail, weight) seconds of one virtual stage alone; None if it alone exceeds
+        memory. The backward is `gradient_s` (a zero-bubble schedule's input pass), the weight `weight_s`.
 
         With several chunks per stage the tail depends on all of them, so it counts as 0 here (a lower bound). Kept in
         `range_costs` by what they depend on, which candidates of one cost model and micro-batch size may share
@@ -237,7 +252,7 @@ class Candidate:
 
     def _range_cost(
         self, virtual_stage: int, start: int, stop: int
-    ) -> tuple[tuple[float, float, float, float], float] | None:
+    ) -> tuple[tuple[float, float, float, float, float], float] | None:
         stage, chunk = locate_virtual(virtual_stage, self.layout.pp)
         params = self.param_bytes(start, stop)
         ranges: list[tuple[int, int] | None] = [None] * self.chunks
@@ -248,7 +263,8 @@ class Candidate:
         level, memory = found
         forward, backward = self.forward_s(stage, start, stop), self.backward_s(stage, start, stop, level)
         tail = self.tail_s(stage, params, stop - start, forward + backward) if self.chunks == 1 else 0.0
-        return (forward, backward, self.send_s(virtual_stage, stop), tail), memory
+        weight = self.weight_s(stage, start, stop)
+        return (forward, backward - weight, self.send_s(virtual_stage, stop), tail, weight), memory
 
     def bounds_of(self, counts: Sequence[int]) -> list[tuple[int, int]]:
         """Layer range [start, stop) of every virtual stage."""
@@ -291,7 +307,8 @@ class Candidate:
             layers = sum(b - a for a, b in (ranges[k] for k in own))
             tails.append(self.tail_s(s, params, layers, sum(forward[k] + backward[k] for k in own)))
         early = [self.early_s(v, b) for v, (_, b) in enumerate(ranges)]
-        return self.replay.step_s(forward, backward, send, tails, self.sharing, early, self.buffered)
+        weight = [self.weight_s(stage_of[v], a, b) for v, (a, b) in enumerate(ranges)] if self.splits else None
+        return self.replay.step_s(forward, backward, send, tails, self.sharing, early, self.buffered, weight)
 
     def stage_plans(self, counts: Sequence[int]) -> list[StagePlan]:
         """Exact per-chunk seconds, transfers, syncs and memory for layers per virtual stage `counts`."""
@@ -324,6 +341,7 @@ class Candidate:
                     device_tflops=self.hardware.tflops[s],
                     forward_s=forward,
                     backward_s=backward,
+                    weight_s=tuple(self.weight_s(s, a, b) for a, b in own) if self.splits else (),
                     send_s=tuple(self.send_s(k, b) for k, b in outs),
                     early_s=tuple(self.early_s(k, b) for k, b in outs),
                     send_link=link.kind if pp > 1 else None,
@@ -368,7 +386,7 @@ def predict_step(
     no_transfers = simulate(silent, schedule, m, shared_cores=shared_cores, backend=backend)
     total = timeline.total_s
     last = max(range(len(stages)), key=lambda s: timeline.stage_end_s[s])
-    compute = sum(b.end - b.start for b in timeline.stage_blocks(last) if b.kind in ("forward", "backward"))
+    compute = sum(b.end - b.start for b in timeline.stage_blocks(last) if b.kind in ("forward", "backward", "weight"))
     sync, update = stages[last].exposed_sync_s + stages[last].closing_s, stages[last].update_s
     p2p = max(min(total - no_transfers.total_s, total - compute - sync - update), 0.0)
     samples = m * microbatch_size * dp

@@ -19,12 +19,14 @@ from holmes_lightning.planner.layout import (
     pipeline_links,
 )
 from holmes_lightning.planner.options import (
+    MODELLED_SCHEDULES,
     Backend,
     BatchSettings,
     Checkpointing,
     LayoutKind,
     PartitionRule,
     PlanOptions,
+    Schedule,
     Sharding,
 )
 from holmes_lightning.planner.partition import split_chunks, uniform_partition
@@ -77,6 +79,8 @@ def best_plan(
     costs = costs or MachineCosts()
     _check_partition(profile, options)
     stats = stats if stats is not None else SearchStats()
+    if options.schedule.chosen:
+        return _best_schedule(topology, profile, batch, options=options, costs=costs, stats=stats)
     problems: list[str] = []
     limit, bound = _memory_bound(options, costs)
     layouts = _layouts(topology, options, profile, problems)
@@ -133,6 +137,43 @@ def best_plan(
     chosen = _least_memory(fastest, lambda ceiling: candidates(ceiling, lambda p: lower[p] < slowest), fixed, stats)
     more = () if chosen is fastest else (_memory_note(chosen, fastest),)
     return _as_plan(chosen.candidate, chosen.counts, options, bound, more)
+
+
+def _best_schedule(
+    topology: Topology,
+    profile: ModelProfile,
+    batch: BatchSettings,
+    *,
+    options: PlanOptions,
+    costs: MachineCosts,
+    stats: SearchStats,
+) -> Plan:
+    """`schedule=auto`: the best plan of each modelled schedule, and of those the one with the fastest predicted step
+    (of plans within `STEP_TOLERANCE` of it, the least memory; ties in `MODELLED_SCHEDULES` order). Its notes list
+    every schedule's predicted step and bubble."""
+    plans: dict[Schedule, Plan] = {}
+    problems: list[str] = []
+    for schedule in MODELLED_SCHEDULES:
+        try:
+            plans[schedule] = best_plan(
+                topology, profile, batch, options=replace(options, schedule=schedule), costs=costs, stats=stats
+            )
+        except PlanError as error:
+            problems.append(f"{schedule.value}: {str(error).splitlines()[-1].strip()}")
+    if not plans:
+        reasons = "\n  ".join(problems)
+        raise PlanError(f"no feasible plan for {topology.name!r} and {profile.name!r} with any schedule:\n  {reasons}")
+    fastest = min(plan.prediction.total_s for plan in plans.values())
+    fast = [plan for plan in plans.values() if plan.prediction.total_s <= fastest * (1 + STEP_TOLERANCE)]
+    chosen = min(fast, key=lambda plan: plan.prediction.memory_gb)
+    compared = tuple(
+        f"schedule {schedule.value}: step {plan.prediction.total_s:.4g} s, bubble {plan.prediction.bubble_s:.3g} s, "
+        f"{plan.prediction.memory_gb:.3g} GB/GPU, pp={plan.pp} x dp={plan.dp}, {plan.microbatches} micro-batches"
+        + (" (chosen)" if plan is chosen else "")
+        for schedule, plan in plans.items()
+    )
+    unplanned = tuple(f"schedule {problem}" for problem in problems)
+    return replace(chosen, notes=chosen.notes + ("schedule auto, by predicted step:",) + compared + unplanned)
 
 
 def _least_memory(

@@ -14,7 +14,7 @@ from holmes_lightning.planner.simulate import simulate
 from holmes_lightning.topology import Topology
 
 NIC_COLOURS = {"infiniband": "#1f4e9c", "roce": "#c0392b", "ethernet": "#7f8c8d"}
-FORWARD, BACKWARD, SYNC, OPTIMIZER = "#8ecae6", "#1d3557", "#e76f51", "#f4a261"
+FORWARD, BACKWARD, WEIGHT, SYNC, OPTIMIZER = "#8ecae6", "#1d3557", "#6a4c93", "#e76f51", "#f4a261"
 
 
 def draw_plans(plans: dict[str, Plan], topology: Topology, path: str | Path, timelines: tuple[str, ...] = ()) -> Path:
@@ -90,15 +90,18 @@ def _throughput(axes, plans: dict[str, Plan]) -> None:
 
 
 def _timeline(axes, name: str, plan: Plan, horizon: float) -> None:
-    """One row per stage (stage 0 on top): forward and backward blocks per micro-batch, then the exposed sync."""
+    """One row per stage (stage 0 on top): forward and backward (and weight-pass) blocks per micro-batch, then the
+    exposed sync."""
     timeline = simulate(
         plan.stages, plan.schedule, plan.microbatches, shared_cores=plan.shared_cores, backend=plan.backend
     )
     for block in timeline.blocks:
-        colour = {"forward": FORWARD, "backward": BACKWARD, "sync": SYNC, "optimizer": OPTIMIZER}[block.kind]
+        colour = {"forward": FORWARD, "backward": BACKWARD, "weight": WEIGHT, "sync": SYNC, "optimizer": OPTIMIZER}[
+            block.kind
+        ]
         y = plan.pp - 1 - block.stage
         axes.add_patch(Rectangle((block.start, y + 0.12), block.end - block.start, 0.76, fc=colour, ec="white", lw=0.4))
-        if block.kind in ("forward", "backward") and (block.end - block.start) > horizon / 90:
+        if block.kind in ("forward", "backward", "weight") and (block.end - block.start) > horizon / 90:
             text_colour = "black" if block.kind == "forward" else "white"
             axes.text(
                 (block.start + block.end) / 2,
@@ -124,7 +127,8 @@ def _timeline(axes, name: str, plan: Plan, horizon: float) -> None:
     handles = [
         Patch(color=FORWARD, label="forward"),
         Patch(color=BACKWARD, label="backward"),
-        Patch(color=SYNC, label="exposed DP sync"),
-        Patch(color=OPTIMIZER, label="optimizer step"),
+        *([Patch(color=WEIGHT, label="weight grad")] if plan.schedule.splits_backward else []),
+        Patch(color=SYNC, label="DP sync"),
+        Patch(color=OPTIMIZER, label="optimizer"),
     ]
-    axes.legend(handles=handles, loc="lower right", bbox_to_anchor=(1, 1), fontsize=7, ncols=4, frameon=False)
+    axes.legend(handles=handles, loc="lower right", bbox_to_anchor=(1, 1), fontsize=7, ncols=5, frameon=False)

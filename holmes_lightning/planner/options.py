@@ -20,9 +20,25 @@ class _ScheduleBase(ConfigEnum):
         """Several model chunks per stage (virtual stages in loop placement)."""
         return self.value.startswith("Interleaved")
 
+    @property
+    def chosen(self) -> bool:
+        """`auto`: the planner runs every schedule it models and takes the best."""
+        return self.value == "auto"
+
+    @property
+    def splits_backward(self) -> bool:
+        """Each backward runs as an input-gradient pass, whose gradient goes down the pipeline at once, and a
+        weight-gradient pass the schedule runs later, into what would be a bubble (zero-bubble schedules)."""
+        return self.value.endswith("ZeroBubble")
+
 
 # torch's schedule names without `Schedule`; "1F1B" is no identifier, hence the functional form (Hydra matches names)
-Schedule = _ScheduleBase("Schedule", [(name, name) for name in ("GPipe", "1F1B", "Interleaved1F1B")], module=__name__)
+Schedule = _ScheduleBase(
+    "Schedule",
+    [(name, name) for name in ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "auto")],
+    module=__name__,
+)
+MODELLED_SCHEDULES = tuple(schedule for schedule in Schedule if not schedule.chosen)  # what `auto` chooses among
 
 
 class LayoutKind(ConfigEnum):
@@ -130,12 +146,14 @@ class PlanOptions:
     take (in configs, the `strategy` node: `strategy.pp=2`, `strategy.memory_limit_gb=80`). What the machine costs is
     not here: that is `MachineCosts`, measured at job start or assumed.
 
-    schedule: torch's pipeline schedule. partition: `auto` (minimise the predicted step), `uniform`, or layers per
-    stage (per virtual stage also accepted for Interleaved1F1B). pp / dp: None = choose. layout: `holmes`,
+    schedule: torch's pipeline schedule, or `auto`: the planner plans each (`MODELLED_SCHEDULES`) and takes the best
+    (the fastest predicted step; of those within 2% of it, the least memory). partition: `auto` (minimise the
+    predicted step), `uniform`, or layers per stage (per virtual stage also accepted for the interleaved schedules).
+    pp / dp: None = choose. layout: `holmes`,
     `nic_unaware` (Megatron-LM rank order) or `flat_fsdp`. sharding inside each stage: `fsdp`, `none` (full replicas,
     gradients all-reduced) or `auto` (the faster of the two, FSDP on a tie since it needs less memory). backend: the
     collective library (gloo's reduce-scatter costs a whole all-reduce). chunks_per_stage: model chunks per stage for
-    Interleaved1F1B. state_multiplier: bytes of weights, grads and optimizer state per parameter byte (4: fp32
+    the interleaved schedules. state_multiplier: bytes of weights, grads and optimizer state per parameter byte (4: fp32
     AdamW). memory_limit_gb: per device, None = unchecked. activation_checkpointing: `off`, `full`, `selective` or
     `auto` (`Checkpointing`; auto turns it on per stage, only where the stage does not fit without it).
     """

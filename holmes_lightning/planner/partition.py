@@ -14,6 +14,10 @@ A virtual stage's backward is costed at the checkpointing its stage needs for th
 (`Candidate.level`); later chunks can only raise that level, so the bounds hold, and a finished split with several
 chunks per stage is simulated at its final levels.
 
+A zero-bubble schedule's backwards count in these bounds as their input passes alone (`Candidate.gradient_s`): the
+weight passes, which nothing waits for, only lengthen any path, so the bounds hold; every split kept is simulated with
+them.
+
 A branch whose bound cannot beat `bar` is cut; every split that survives to the end is simulated
 (`Candidate.step_s`). So the split returned has the least simulated step, or none if no split gets below `bar`.
 """
@@ -46,7 +50,8 @@ class _Path:
     """The split so far, per virtual stage: seconds, stop, and sums over the virtual stages before it."""
 
     forward: list[float] = field(default_factory=list)
-    backward: list[float] = field(default_factory=list)
+    backward: list[float] = field(default_factory=list)  # what the virtual stage before waits for (`gradient_s`)
+    weight: list[float] = field(default_factory=list)  # the rest of the backward: zero-bubble weight passes
     send: list[float] = field(default_factory=list)
     stops: list[int] = field(default_factory=list)
     drains: list[float] = field(default_factory=list)  # from its last backward to the step's end, at least
@@ -72,6 +77,7 @@ class _Child:
     stop: int
     forward: float
     backward: float
+    weight: float
     send: float
     tail: float | None
     drain: float
@@ -80,6 +86,7 @@ class _Child:
     def push(self, path: _Path) -> None:
         path.forward.append(self.forward)
         path.backward.append(self.backward)
+        path.weight.append(self.weight)
         path.send.append(self.send)
         path.stops.append(self.stop)
         path.drains.append(self.drain)
@@ -94,6 +101,7 @@ class _Child:
         for values in (
             path.forward,
             path.backward,
+            path.weight,
             path.send,
             path.stops,
             path.drains,
@@ -192,8 +200,8 @@ class _Search:
         costs = c.range_cost(v, start, stop) if chunks == 1 else self._chunk_costs(path, v, stage, start, stop)
         if costs is None:
             return None
-        forward, backward, send, tail = costs
-        work = sum(path.forward[u] + path.backward[u] for u in range(stage, v, self.pp)) + forward + backward
+        forward, backward, send, tail, weight = costs
+        work = self._work(path, range(stage, v, self.pp)) + forward + backward + weight
         ends = 0.0
         if chunk == chunks - 1:  # the stage is complete: its tail follows its last action, chunk 0's last backward
             ends = path.down[v] - path.down[stage] + tail
@@ -210,25 +218,31 @@ class _Search:
             )
             if chunks > 1:
                 bound = max(bound, self._load_s(path, v, stage, work, next_head, stop))
-        return _Child(v, stage, start, stop, forward, backward, send, tail, drain, bound)
+        return _Child(v, stage, start, stop, forward, backward, weight, send, tail, drain, bound)
 
     def _chunk_costs(
         self, path: _Path, v: int, stage: int, start: int, stop: int
-    ) -> tuple[float, float, float, float] | None:
-        """(forward, backward, send, tail) of virtual stage v holding layers [start, stop) after its stage's earlier
-        chunks (one chunk per stage: `range_cost`, which caches them); tail 0 until the stage is complete."""
+    ) -> tuple[float, float, float, float, float] | None:
+        """(forward, backward, send, tail, weight) of virtual stage v holding layers [start, stop) after its stage's
+        earlier chunks (one chunk per stage: `range_cost`, which caches them); tail 0 until the stage is complete."""
         c, earlier = self.candidate, range(stage, v, self.pp)
         ranges = [(path.start(u), path.stops[u]) for u in earlier] + [(start, stop)]
         params = sum(c.param_bytes(a, b) for a, b in ranges)
         level = c.level(stage, params, ranges)
         if level is None:
             return None
-        forward, backward = c.forward_s(stage, start, stop), c.backward_s(stage, start, stop, level)
+        forward, backward = c.forward_s(stage, start, stop), c.gradient_s(stage, start, stop, level)
+        weight = c.weight_s(stage, start, stop)
         tail = 0.0
         if v + self.pp >= self.virtual:  # its last chunk: the stage is complete
-            work = sum(path.forward[u] + path.backward[u] for u in earlier) + forward + backward
+            work = self._work(path, earlier) + forward + backward + weight
             tail = c.tail_s(stage, params, sum(b - a for a, b in ranges), work)
-        return forward, backward, c.send_s(v, stop), tail
+        return forward, backward, c.send_s(v, stop), tail, weight
+
+    @staticmethod
+    def _work(path: _Path, virtual: range) -> float:
+        """One micro-batch's every pass through these assigned virtual stages."""
+        return sum(path.forward[u] + path.backward[u] + path.weight[u] for u in virtual)
 
     def _load_s(self, path: _Path, v: int, stage: int, work: float, next_head: float, stop: int) -> float:
         """Several chunks per stage: the stages with chunks left share the layers left, each after its own first
@@ -238,7 +252,7 @@ class _Search:
         for s in range(pp):
             if s + (self.chunks - 1) * pp <= v:  # complete: its whole path is in the bound already
                 continue
-            known = work if s == stage else sum(path.forward[u] + path.backward[u] for u in range(s, v, pp))
+            known = work if s == stage else self._work(path, range(s, v, pp))
             bases.append((path.head[s] if s <= v else next_head) + m * known)
             rates.append(m * c.slowdown[s])
         return water_level_s(bases, rates, c.base_work_s(stop, self.layers))
@@ -254,10 +268,11 @@ class _Search:
         if v == 0:
             key = (v, child.start, child.stop)
             if key not in paths:
-                paths[key] = walk.path_s(child.forward, child.backward, excursion)
+                paths[key] = walk.path_s(child.forward, child.backward, excursion, child.weight)
             return paths[key] + child.drain
         descents = [(shapes.descents[u], path.trip[v] - path.trip[u]) for u in range(max(0, v - DESCENTS), v)]
-        return path.head[v] + one_chunk_path_s(walk, child.forward, child.backward, excursion, descents) + child.drain
+        path_s = one_chunk_path_s(walk, child.forward, child.backward, excursion, descents, child.weight)
+        return path.head[v] + path_s + child.drain
 
     def _stage_path_s(self, path: _Path, child: _Child) -> float:
         """`stage_path_s` of the stage `child` completes (several chunks), with the hops between its chunks."""
@@ -269,16 +284,19 @@ class _Search:
             sends = sum(path.send[w] for w in range(u, u + pp))
             up.append(sends + sum(path.forward[w] for w in range(u + 1, u + pp)))
             down.append(sends + sum(path.backward[w] for w in range(u + 1, u + pp)))
+        weights = [path.weight[u] for u in own] + [child.weight]
         walk = stage_path_s(
-            order=c.orders[stage],
+            order=c.shapes.orders[stage],
             forward=[path.forward[u] for u in own] + [child.forward],
             backward=[path.backward[u] for u in own] + [child.backward],
+            weight=weights,
             excursion=excursion,
             turns=c.shapes.turns,
             up=up,
             down=down,
         )
-        return path.head[stage] + walk + max(child.tail, path.drains[stage] if stage < v else 0.0)
+        trailing = sum(weights[j] for j in c.shapes.trailing[stage])  # the weight passes after the last input pass
+        return path.head[stage] + walk + max(child.tail + trailing, path.drains[stage] if stage < v else 0.0)
 
     def _finish(self, path: _Path) -> None:
         counts = tuple(path.stops[u] - path.start(u) for u in range(self.virtual))
@@ -288,7 +306,10 @@ class _Search:
             step = c.step_s(counts)
         else:
             early = [c.early_s(v, path.stops[v]) for v in range(self.virtual)]
-            step = c.replay.step_s(path.forward, path.backward, path.send, tails, c.sharing, early, c.buffered)
+            backward, weight = path.backward, None
+            if c.splits:  # the path holds the input passes, the weight passes apart
+                backward, weight = [b + w for b, w in zip(backward, path.weight, strict=True)], path.weight
+            step = c.replay.step_s(path.forward, backward, path.send, tails, c.sharing, early, c.buffered, weight)
         self.stats.simulated += 1
         if step is not None and step < self.bar:
             self.best = (counts, step)

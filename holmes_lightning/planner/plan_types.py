@@ -18,7 +18,8 @@ class StagePlan:
 
     `chunks` are half-open layer ranges [start, stop) into the profile's layer list; one chunk for GPipe/1F1B,
     several for interleaved schedules (chunk j of stage s is virtual stage s + j * pp). Per chunk and micro-batch:
-    `forward_s`/`backward_s` compute seconds and `send_s` the transfer of its output to the next virtual stage over
+    `forward_s`/`backward_s` compute seconds (`weight_s`: of the backward, the weight-gradient pass a zero-bubble
+    schedule runs apart; empty: none) and `send_s` the transfer of its output to the next virtual stage over
     `send_link` (0 for the last; no link without a pipeline), `early_s` the part of it that may cross before the
     receiver posts its recv (gloo; empty: none). `clusters` / `nics`: what the DP group spans, one of
     each in a Holmes layout, several in a NIC-unaware one. `sync_s` is the stage's DP gradient sync per step over
@@ -37,6 +38,7 @@ class StagePlan:
     device_tflops: float = 0.0
     forward_s: tuple[float, ...] = ()
     backward_s: tuple[float, ...] = ()
+    weight_s: tuple[float, ...] = ()
     send_s: tuple[float, ...] = ()
     early_s: tuple[float, ...] = ()
     send_link: LinkKind | None = None

@@ -25,7 +25,8 @@ class LayerProfile:
     (seconds per sample on a device of `ModelProfile.measured_tflops` peak TFLOPS; None: the topology's fastest
     device, so slower clusters scale by their `device_tflops`). `param_bytes` are the layer's weights,
     `activation_bytes` its output (what a pipeline stage boundary after it sends), `stash_bytes` what autograd keeps
-    for the backward pass.
+    for the backward pass. `weight_flops`: of `backward_flops`, those of the weight gradients (what a zero-bubble
+    schedule runs apart); None: half of them in a layer with weights (a matrix multiply's two gradients cost alike).
     """
 
     name: str
@@ -36,10 +37,18 @@ class LayerProfile:
     stash_bytes: float
     forward_s: float | None = None
     backward_s: float | None = None
+    weight_flops: float | None = None
 
     @property
     def measured(self) -> bool:
         return self.forward_s is not None and self.backward_s is not None
+
+    @property
+    def weight_share(self) -> float:
+        """The part of the backward that computes weight gradients (of its FLOPs, so of its seconds)."""
+        if self.weight_flops is not None:
+            return self.weight_flops / self.backward_flops if self.backward_flops > 0 else 0.0
+        return 0.5 if self.param_bytes > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -81,9 +90,10 @@ class ModelProfile:
         """Analytic profile of a GPT shape: `[embedding, block x n_layers, head]` (pre-LN blocks, biases, 4x MLP).
 
         FLOPs count matrix multiplies (2 per multiply-add); attention scores over the full sequence; backward = 2x
-        forward. `bytes_per_value` is the training dtype's size (2 for bf16/fp16, 4 for fp32). The block's stash is
-        Korthikanti et al.'s 34·s·h + 5·a·s² values at 16 bits, scaled to the dtype; the head's counts the logits
-        twice, as `measure` does (the pipeline keeps them for the loss, the loss keeps its log-probabilities).
+        forward, of which the weight gradients are the linear layers' forward FLOPs once. `bytes_per_value` is the
+        training dtype's size (2 for bf16/fp16, 4 for fp32). The block's stash is Korthikanti et al.'s
+        34·s·h + 5·a·s² values at 16 bits, scaled to the dtype; the head's counts the logits twice, as `measure` does
+        (the pipeline keeps them for the loss, the loss keeps its log-probabilities).
         """
         s, h, a, vocab = model.seq_len, model.d_model, model.n_heads, model.vocab_size
         width = bytes_per_value
@@ -92,11 +102,21 @@ class ModelProfile:
         block_params = 12 * h * h + 13 * h
         block_stash = (34 * s * h + 5 * a * s * s) * width / 2
         head_flops = 2 * s * h * vocab
-        embedding = LayerProfile("embedding", 0.0, 0.0, (vocab + s) * h * width, hidden_out, 0.0)
-        block = LayerProfile("block", block_flops, 2 * block_flops, block_params * width, hidden_out, block_stash)
+        embedding = LayerProfile("embedding", 0.0, 0.0, (vocab + s) * h * width, hidden_out, 0.0, weight_flops=0.0)
+        block = LayerProfile(
+            "block",
+            block_flops,
+            2 * block_flops,
+            block_params * width,
+            hidden_out,
+            block_stash,
+            weight_flops=24 * s * h * h,
+        )
         logits = s * vocab * width
         head_params = (vocab * h + 2 * h) * width
         head_stash = 2 * hidden_out + 2 * logits  # norm's input and output; the logits and the loss's copy of them
-        head = LayerProfile("head", head_flops, 2 * head_flops, head_params, logits, head_stash)
+        head = LayerProfile(
+            "head", head_flops, 2 * head_flops, head_params, logits, head_stash, weight_flops=head_flops
+        )
         blocks = tuple(replace(block, name=f"block{i}") for i in range(model.n_layers))
         return cls(model.name, (embedding, *blocks, head), tokens_per_sample=s, input_bytes=s * 8)  # int64 token ids

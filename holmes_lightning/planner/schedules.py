@@ -5,26 +5,45 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from holmes_lightning.planner.options import Schedule
+from holmes_lightning.planner.options import MODELLED_SCHEDULES, Schedule
+
+FULL, INPUT, WEIGHT = "full", "input", "weight"  # what part of its pass an action runs
 
 
 @dataclass(frozen=True)
 class Action:
-    """One forward or backward of one micro-batch through one of a stage's chunks."""
+    """One forward or backward of one micro-batch through one of a stage's chunks.
+
+    `part`: a backward may run as two actions (`Schedule.splits_backward`): INPUT, the input gradient, which the
+    previous stage waits for, then WEIGHT, the weight gradient, which nothing waits for; else FULL, both at once.
+    """
 
     backward: bool
     chunk: int
     microbatch: int
+    part: str = FULL
+
+    @property
+    def sends(self) -> bool:
+        """Whether its result goes to a neighbour (a weight pass keeps its gradient)."""
+        return self.part != WEIGHT
+
+    @property
+    def frees(self) -> bool:
+        """Whether the micro-batch's stash is released after it (a backward's input pass leaves what the weight pass
+        needs)."""
+        return self.backward and self.part != INPUT
 
 
 def microbatch_problem(schedule: Schedule, pp: int, microbatches: int) -> str | None:
     """Why torch's schedule would refuse this micro-batch count for `pp` stages, or None."""
+    schedule = Schedule(schedule)
     if schedule == Schedule["1F1B"] and microbatches < pp:
         return f"schedule 1F1B needs microbatches >= stages, got {microbatches} < {pp}"
     rounds = max(1, microbatches // pp)
-    if schedule == Schedule.Interleaved1F1B and microbatches % rounds:
+    if schedule.interleaved and microbatches % rounds:
         return (
-            f"schedule Interleaved1F1B needs microbatches to be a multiple of max(1, microbatches // pp) = {rounds}, "
+            f"schedule {schedule.value} needs microbatches to be a multiple of max(1, microbatches // pp) = {rounds}, "
             f"got {microbatches} with pp={pp}"
         )
     return None
@@ -32,14 +51,15 @@ def microbatch_problem(schedule: Schedule, pp: int, microbatches: int) -> str | 
 
 def stage_actions(schedule: Schedule, stage: int, pp: int, microbatches: int, chunks: int = 1) -> list[Action]:
     """The order in which `stage` of `pp` runs its forwards and backwards (`chunks` > 1: interleaved)."""
+    schedule = Schedule(schedule)
     if schedule == Schedule.GPipe:
         forwards = [Action(False, 0, mb) for mb in range(microbatches)]
         return forwards + [Action(True, 0, mb) for mb in range(microbatches)]
     if schedule == Schedule["1F1B"]:
         return _one_f_one_b(stage, pp, microbatches)
-    if schedule == Schedule.Interleaved1F1B:
-        return _interleaved(stage, pp, microbatches, chunks)
-    raise ValueError(f"schedule={schedule!r} is not modelled; use one of {', '.join(Schedule)}")
+    if schedule.interleaved:
+        return _interleaved(stage, pp, microbatches, chunks, zero_bubble=schedule.splits_backward)
+    raise ValueError(f"schedule={schedule.value} is no order to run; use one of {', '.join(MODELLED_SCHEDULES)}")
 
 
 def _one_f_one_b(stage: int, pp: int, microbatches: int) -> list[Action]:
@@ -53,28 +73,43 @@ def _one_f_one_b(stage: int, pp: int, microbatches: int) -> list[Action]:
     return actions
 
 
-def _interleaved(stage: int, pp: int, microbatches: int, chunks: int) -> list[Action]:
-    """torch's ScheduleInterleaved1F1B: micro-batches in rounds of `per_round`, chunks visited round by round."""
+def _interleaved(stage: int, pp: int, microbatches: int, chunks: int, *, zero_bubble: bool = False) -> list[Action]:
+    """torch's ScheduleInterleaved1F1B: micro-batches in rounds of `per_round`, chunks visited round by round.
+
+    `zero_bubble`: ScheduleInterleavedZeroBubble (ZB1P): warm-up one forward per hop instead of two, each backward
+    split into its input pass and a weight pass that follows `stage` input passes later.
+    """
     per_round = microbatches // max(1, microbatches // pp)
     total = microbatches * chunks
-    warmup = min((chunks - 1) * per_round + 2 * (pp - 1 - stage), total)
-    next_mb = {"forward": [0] * chunks, "backward": [0] * chunks}
+    hops = pp - 1 - stage
+    warmup = min((chunks - 1) * per_round + (hops if zero_bubble else 2 * hops), total)
+    counts: dict[tuple[bool, str], list[int]] = {}
+    weights_due: list[int] = []  # chunks of the input passes whose weight pass is still to come
 
-    def forward(step: int) -> Action:
-        chunk = (step // per_round) % chunks
-        next_mb["forward"][chunk] += 1
-        return Action(False, chunk, next_mb["forward"][chunk] - 1)
+    def action(backward: bool, chunk: int, part: str = FULL) -> Action:
+        next_mb = counts.setdefault((backward, part), [0] * chunks)
+        next_mb[chunk] += 1
+        return Action(backward, chunk, next_mb[chunk] - 1, part)
 
-    def backward(step: int) -> Action:
+    def forward(step: int) -> list[Action]:
+        return [action(False, (step // per_round) % chunks)]
+
+    def backward(step: int) -> list[Action]:
         chunk = chunks - 1 - (step // per_round) % chunks
-        next_mb["backward"][chunk] += 1
-        return Action(True, chunk, next_mb["backward"][chunk] - 1)
+        if not zero_bubble:
+            return [action(True, chunk)]
+        weights_due.append(chunk)
+        done = [action(True, chunk, INPUT)]
+        if step >= stage:
+            done.append(action(True, weights_due.pop(0), WEIGHT))
+        return done
 
-    actions = [forward(step) for step in range(warmup)]
+    actions = [a for step in range(warmup) for a in forward(step)]
     for step in range(warmup, total):
-        actions += [forward(step), backward(step - warmup)]
-    actions += [backward(step) for step in range(total - warmup, total)]
-    return actions
+        actions += forward(step) + backward(step - warmup)
+    for step in range(total - warmup, total):
+        actions += backward(step)
+    return actions + [action(True, chunk, WEIGHT) for chunk in weights_due]
 
 
 def held_at_peaks(actions: Sequence[Action], chunks: int) -> tuple[tuple[int, ...], ...]:
@@ -83,9 +118,11 @@ def held_at_peaks(actions: Sequence[Action], chunks: int) -> tuple[tuple[int, ..
     held = [0] * chunks
     moments: set[tuple[int, ...]] = set()
     for action in actions:
-        held[action.chunk] += -1 if action.backward else 1
         if not action.backward:
+            held[action.chunk] += 1
             moments.add(tuple(held))
+        elif action.frees:
+            held[action.chunk] -= 1
 
     def covered(moment: tuple[int, ...]) -> bool:
         return any(o != moment and all(a >= b for a, b in zip(o, moment, strict=True)) for o in moments)

@@ -16,8 +16,11 @@ have posted, the sockets taking the data (`buffered`). How torch's schedules pos
 - 1F1B waits for a send in the same batch as the next recv (steady state: the action after it starts only once the
   send is through) or, in warm-up and cool-down, after the next action's compute; GPipe waits for all forward sends
   before its first backward; both wait for their last send before the step's end;
-- Interleaved1F1B (torch's schedule runtime) posts recvs as soon as the sender's compute is scheduled, so transfers
-  overlap compute, and waits for its sends at the end of the step.
+- Interleaved1F1B and InterleavedZeroBubble (torch's schedule runtime) post recvs as soon as the sender's compute
+  is scheduled, so transfers overlap compute, and wait for their sends at the end of the step.
+
+A zero-bubble schedule splits each backward into an input pass, which the previous virtual stage waits for, and a
+weight pass (`weight` seconds of the backward) that waits only for its own stage's order and sends nothing.
 
 After its last backward (and send) a stage spends its exposed DP sync (a "sync" block, with the pipeline's closing
 all-reduce of the loss), then its optimizer step; the step ends when the last stage is done.
@@ -35,11 +38,11 @@ from functools import cache
 
 from holmes_lightning.planner.options import Backend, Schedule
 from holmes_lightning.planner.plan_types import StagePlan, locate_virtual, virtual_stage
-from holmes_lightning.planner.schedules import Action, stage_actions
+from holmes_lightning.planner.schedules import FULL, INPUT, WEIGHT, Action, stage_actions
 from holmes_lightning.planner.sharing import CoreSharing, settle
 
-# recv posted just before its action?
-RENDEZVOUS = {Schedule.GPipe: True, Schedule["1F1B"]: True, Schedule.Interleaved1F1B: False}
+# recv posted just before its action? (torch's schedule runtime, which runs the multi-chunk schedules, posts early)
+RENDEZVOUS = {schedule: schedule in (Schedule.GPipe, Schedule["1F1B"]) for schedule in Schedule}
 BUFFERED_BACKENDS = {Backend.gloo}  # a send is done once both sides have posted (gloo's TCP sockets take its data)
 WAITS_THEN_POSTS = {Schedule.GPipe}  # a gated action's recv is posted after the wait (1F1B: in the same batch)
 
@@ -76,7 +79,8 @@ class Replay:
     """Every action of one step (`pp` stages, `chunks` per stage, `microbatches`), each after what it waits for.
 
     `orders[s]`: stage s's actions in the order it runs them.
-    Per action: its stage, its virtual stage (`chunk * pp + stage`), forward/backward, the index of the action it
+    Per action: its stage, its virtual stage (`chunk * pp + stage`), forward/backward, its part (`parts`: a
+    backward's FULL, INPUT or WEIGHT pass; `split`: the schedule has such parts), the index of the action it
     waits for (-1: none), the virtual stage whose transfer lies between them (-1: none), the link that transfer
     takes (`sender * pp + receiver` of the stages; -1: none), the action whose send must be through before it starts
     (`gate`) and before its stage moves on after it (`after_gate`; -1: none). `final_gates[s]`: the sends stage s
@@ -92,6 +96,8 @@ class Replay:
     actions: tuple[tuple[int, Action], ...]
     virtual: tuple[int, ...]
     backward: tuple[bool, ...]
+    parts: tuple[str, ...]
+    split: bool
     waits_for: tuple[int, ...]
     transfer: tuple[int, ...]
     link: tuple[int, ...]
@@ -105,24 +111,31 @@ class Replay:
     @classmethod
     @cache
     def of(cls, schedule: Schedule, pp: int, microbatches: int, chunks: int = 1) -> Replay:
+        schedule = Schedule(schedule)
         orders = [stage_actions(schedule, s, pp, microbatches, chunks) for s in range(pp)]
         last = pp * chunks - 1
-        Key = tuple[bool, int, int]
+        Key = tuple[int, int, int]  # (0 forward, 1 a backward that sends, 2 a weight pass; virtual stage; micro-batch)
 
         def source_of(action: Action, k: int) -> tuple[Key | None, int]:
-            """The action this one waits for and the virtual stage whose transfer lies between them (-1: none)."""
+            """The action this one waits for and the virtual stage whose transfer lies between them (-1: none); a
+            weight pass follows its input pass on the same stage, in the stage's order."""
+            if action.part == WEIGHT:
+                return None, -1
             if action.backward:
-                return ((False, k, action.microbatch), -1) if k == last else ((True, k + 1, action.microbatch), k)
-            return (None, -1) if k == 0 else ((False, k - 1, action.microbatch), k - 1)
+                return ((0, k, action.microbatch), -1) if k == last else ((1, k + 1, action.microbatch), k)
+            return (None, -1) if k == 0 else ((0, k - 1, action.microbatch), k - 1)
 
         def receiver_of(action: Action, k: int) -> Key | None:
             """The action that takes this one's output over a link (None: no send)."""
+            if not action.sends:
+                return None
             if action.backward:
-                return (True, k - 1, action.microbatch) if k > 0 else None
-            return (False, k + 1, action.microbatch) if k < last else None
+                return (1, k - 1, action.microbatch) if k > 0 else None
+            return (0, k + 1, action.microbatch) if k < last else None
 
         keys = [
-            [(a.backward, virtual_stage(s, a.chunk, pp), a.microbatch) for a in order] for s, order in enumerate(orders)
+            [(2 if a.part == WEIGHT else int(a.backward), virtual_stage(s, a.chunk, pp), a.microbatch) for a in order]
+            for s, order in enumerate(orders)
         ]
         receivers = [
             [receiver_of(a, key[1]) for a, key in zip(order, stage_keys, strict=True)]
@@ -185,6 +198,8 @@ class Replay:
             actions=tuple(actions),
             virtual=tuple(virtual_stage(s, a.chunk, pp) for s, a in actions),
             backward=tuple(a.backward for _, a in actions),
+            parts=tuple(a.part for _, a in actions),
+            split=schedule.splits_backward,
             waits_for=tuple(waits_for),
             transfer=tuple(transfer),
             link=tuple(link),
@@ -204,11 +219,15 @@ class Replay:
         durations: Sequence[float] | None = None,
         early: Sequence[float] | None = None,
         buffered: bool = False,
+        weight: Sequence[float] | None = None,
     ) -> tuple[list[float], list[float]]:
         """End time of every action, and when each stage is done with its actions and sends (seconds per virtual
         stage; `durations`: per action instead, as `sharing.settle` stretches them; `early`: of each send, the
         seconds that may run before the receiver posts its recv; `buffered`: a send is done once both sides have
-        posted, its data left to the sockets (gloo), else once the data has arrived (NCCL))."""
+        posted, its data left to the sockets (gloo), else once the data has arrived (NCCL); `weight`: of each
+        backward, its weight pass's seconds, for a schedule that splits them)."""
+        if durations is None and self.split:
+            durations = self.seconds(forward, backward, weight)
         pp, virtual, waits_for, transfer = self.pp, self.virtual, self.waits_for, self.transfer
         clock = [0.0] * pp
         link_free = [0.0] * (pp * pp)  # when each stage-to-stage link has sent what it carried so far
@@ -277,18 +296,29 @@ class Replay:
         sharing: CoreSharing,
         early: Sequence[float] | None = None,
         buffered: bool = False,
+        weight: Sequence[float] | None = None,
     ) -> tuple[list[float], list[float], list[float]]:
         """`ends` with the ranks sharing CPU cores (`sharing.settle`): every action's seconds, ends, stage clocks."""
         return settle(
-            self.seconds(forward, backward),
+            self.seconds(forward, backward, weight),
             self.pp,
             sharing,
             lambda durations: self.ends(forward, backward, send, durations, early, buffered),
         )
 
-    def seconds(self, forward: Sequence[float], backward: Sequence[float]) -> list[float]:
-        """Every action's seconds, from per virtual stage forward and backward seconds."""
-        return [(backward if self.backward[i] else forward)[k] for i, k in enumerate(self.virtual)]
+    def seconds(
+        self, forward: Sequence[float], backward: Sequence[float], weight: Sequence[float] | None = None
+    ) -> list[float]:
+        """Every action's seconds, from per virtual stage forward, backward and (split backwards) weight seconds."""
+        if not self.split:
+            return [(backward if self.backward[i] else forward)[k] for i, k in enumerate(self.virtual)]
+        if weight is None:
+            raise ValueError("a schedule that splits its backwards needs each virtual stage's weight-pass seconds")
+        passes = {FULL: backward, WEIGHT: weight, INPUT: [b - w for b, w in zip(backward, weight, strict=True)]}
+        return [
+            (passes[part] if self.backward[i] else forward)[k]
+            for i, (k, part) in enumerate(zip(self.virtual, self.parts, strict=True))
+        ]
 
     def step_s(
         self,
@@ -299,13 +329,14 @@ class Replay:
         sharing: CoreSharing | None = None,
         early: Sequence[float] | None = None,
         buffered: bool = False,
+        weight: Sequence[float] | None = None,
     ) -> float:
         """The step's seconds: the latest stage end plus its tail (exposed sync and optimizer step); `sharing`: the
-        ranks share CPU cores (`planner.sharing`); `early`, `buffered`: as in `ends`."""
+        ranks share CPU cores (`planner.sharing`); `early`, `buffered`, `weight`: as in `ends`."""
         if sharing is not None and sharing.contended(self.pp):
-            _, _, clock = self.shared(forward, backward, send, sharing, early, buffered)
+            _, _, clock = self.shared(forward, backward, send, sharing, early, buffered, weight)
         else:
-            _, clock = self.ends(forward, backward, send, early=early, buffered=buffered)
+            _, clock = self.ends(forward, backward, send, early=early, buffered=buffered, weight=weight)
         return max(end + extra for end, extra in zip(clock, tail, strict=True))
 
 
@@ -355,15 +386,16 @@ def simulate(
     backward = [stage.backward_s[j] for stage, j in per_virtual]
     send = [stage.send_s[j] for stage, j in per_virtual]
     early = [stage.early_s[j] if stage.early_s else 0.0 for stage, j in per_virtual]
+    weight = [stage.weight_s[j] if stage.weight_s else 0.0 for stage, j in per_virtual]
     sharing = None if shared_cores is None else CoreSharing(shared_cores, len(stages[0].ranks))
     if sharing is not None and sharing.contended(pp):
-        durations, ends, clock = replay.shared(forward, backward, send, sharing, early, buffered)
+        durations, ends, clock = replay.shared(forward, backward, send, sharing, early, buffered, weight)
     else:
-        ends, clock = replay.ends(forward, backward, send, early=early, buffered=buffered)
-        durations = replay.seconds(forward, backward)
+        ends, clock = replay.ends(forward, backward, send, early=early, buffered=buffered, weight=weight)
+        durations = replay.seconds(forward, backward, weight)
     blocks = []
     for (s, action), end, seconds in zip(replay.actions, ends, durations, strict=True):
-        kind = "backward" if action.backward else "forward"
+        kind = ("weight" if action.part == WEIGHT else "backward") if action.backward else "forward"
         blocks.append(Block(s, kind, action.chunk, action.microbatch, end - seconds, end))
     synced = [clock[s] + stage.exposed_sync_s + stage.closing_s for s, stage in enumerate(stages)]
     finished = tuple(synced[s] + stage.update_s for s, stage in enumerate(stages))

@@ -14,7 +14,13 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from holmes_lightning.planner import Plan
-from holmes_lightning.runtime.contract import check_contract, keep_owned_layers, loss_weight, missing_contract
+from holmes_lightning.runtime.contract import (
+    check_contract,
+    check_uncompiled,
+    keep_owned_layers,
+    loss_weight,
+    missing_contract,
+)
 from holmes_lightning.runtime.groups import PlanMesh
 from holmes_lightning.runtime.materialize import is_meta, materialize, meta_twins
 from holmes_lightning.runtime.pipeline import LayerChain, Pipeline
@@ -49,6 +55,8 @@ def assemble(
     # 1. keep this stage's layers (the others leave the module, its optimizer and checkpoint)
     if plan.is_pipelined:
         check_contract(module, plan.pp)
+        if plan.schedule.splits_backward:
+            check_uncompiled(layers, plan.schedule.value)
         keep_owned_layers(module, layers, set(owned))
         module.example_input_array = None  # the whole forward no longer runs here (model summary would call it)
     twins = meta_twins(layers, owned) if layers and is_meta(module) else {}

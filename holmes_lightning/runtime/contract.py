@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule
 
 CONTRACT = ("pipeline_layers", "pipeline_loss")
 DICT_INPUTS = ("input_ids", "attention_mask", "position_ids")
@@ -47,6 +48,21 @@ def check_contract(module: nn.Module, pp: int) -> None:
             f"sequential application maps inputs to outputs) and `def pipeline_loss(self, outputs, targets) -> "
             f"Tensor` (mean loss of one micro-batch); batches are (inputs, targets) or dicts of input_ids and labels. "
             f"Or train with pp=1."
+        )
+
+
+def check_uncompiled(layers: Sequence[nn.Module | None], schedule: str) -> None:
+    """Refuse torch.compile'd layers under a schedule that splits backwards (torch's split backward cannot run them)."""
+    compiled = [
+        index
+        for index, layer in enumerate(layers)
+        if layer is not None and any(isinstance(m, OptimizedModule) for m in layer.modules())
+    ]
+    if compiled:
+        raise ValueError(
+            f"schedule {schedule} runs each backward as separate input- and weight-gradient passes, which torch "
+            f"cannot run through torch.compile'd modules (pipeline layers {compiled}); use schedule=Interleaved1F1B "
+            f"or 1F1B with the compiled layers, or pass the layers uncompiled"
         )
 
 
