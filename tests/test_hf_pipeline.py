@@ -25,7 +25,12 @@ from torch.utils.data import DataLoader
 from holmes_lightning.hf import HFCausalLM
 
 SCRIPT = str(Path(hf_script.__file__).resolve())
-CASES = [("gpt2", "GPipe", "right"), ("llama", "1F1B", "left"), ("qwen2", "GPipe", "left"), ("gemma", "1F1B", "right")]
+CASES = [
+    ("gpt2", "GPipe", "right"),
+    ("llama", "InterleavedZeroBubble", "left"),
+    ("qwen2", "GPipe", "left"),
+    ("gemma", "1F1B", "right"),
+]
 ENV_SECONDS = {"HOLMES_CALIBRATION_SECONDS": "0.05", "OMP_NUM_THREADS": "1"}
 
 
