@@ -155,8 +155,8 @@ class PathShapes:
     A zero-bubble schedule's backwards count as their input passes (what the stage below waits for); its weight
     passes wait for nothing but their stage. `orders`: each stage's actions up to its last input pass (`stage_path_s`
     walks them), `trailing`: the chunks of the weight passes after it (they delay the stage's tail, not the gradient
-    going down). Per virtual stage, its chunk's forwards and backwards in its stage's order (the other chunks' and
-    the weight passes left out): `walks` (their `OneChunkWalk`) and `descents` (their `descent_turns`); `turns`:
+    going down). Per virtual stage, its chunk's actions in its stage's order up to its last input pass (the other
+    chunks' left out): `walks` (their `OneChunkWalk`) and `descents` (their `descent_turns`); `turns`:
     `latest_turns` of the last virtual stage.
     """
 

@@ -137,8 +137,7 @@ class Candidate:
 
     def gradient_s(self, stage: int, start: int, stop: int, level: int = 0) -> float:
         """What the previous virtual stage waits for of one backward: all of it, or its input pass alone where the
-        weight pass runs apart. The partition search bounds the step with these (the weight passes left out:
-        nothing waits for them), then simulates every split it keeps with both (`step_s`)."""
+        weight pass runs apart (the partition search's paths follow these; `weight_s` counts on the stage only)."""
         return self.backward_s(stage, start, stop, level) - self.weight_s(stage, start, stop)
 
     def send_s(self, virtual_stage: int, stop: int) -> float:

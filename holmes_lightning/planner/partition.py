@@ -14,9 +14,9 @@ A virtual stage's backward is costed at the checkpointing its stage needs for th
 (`Candidate.level`); later chunks can only raise that level, so the bounds hold, and a finished split with several
 chunks per stage is simulated at its final levels.
 
-A zero-bubble schedule's backwards count in these bounds as their input passes alone (`Candidate.gradient_s`): the
-weight passes, which nothing waits for, only lengthen any path, so the bounds hold; every split kept is simulated with
-them.
+A zero-bubble schedule's backwards count in these paths as their input passes (`Candidate.gradient_s`), what the
+stage below waits for; its weight passes, which nothing waits for, count only in their own stage's work and walks
+(`bounds.PathShapes`), so the bounds hold.
 
 A branch whose bound cannot beat `bar` is cut; every split that survives to the end is simulated
 (`Candidate.step_s`). So the split returned has the least simulated step, or none if no split gets below `bar`.

@@ -103,7 +103,8 @@ class HolmesStrategy(ModelParallelStrategy):
             schedule, partition, pp, dp, sharding, layout, activation_checkpointing override its fields (sharding
             "auto": FSDP2 unless replicas are faster; activation_checkpointing "auto": per stage, off where it fits
             the memory bound keeping every activation, else selective, else full; layout "nic_unaware": Megatron's
-            rank order).
+            rank order; schedule "auto": the planner's pick of every schedule it models, e.g.
+            "InterleavedZeroBubble").
         plan: a Plan (or its JSON file) to run instead of planning.
         profile: the model's cost profile; default: `pipeline_layers()` measured on `example_input_array`, else on one
             sample of the running entry point's DataLoader (meta layers: on meta tensors).
