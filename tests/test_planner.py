@@ -456,3 +456,6 @@ def test_schedule_auto_takes_the_best_schedule_and_lists_each(cluster: str) -> N
     assert chosen == replace(each[chosen.schedule], notes=chosen.notes)
     for schedule, plan in each.items():
         assert f"schedule {schedule.value}: step {plan.prediction.total_s:.4g} s" in "\n".join(chosen.notes)
+    assert replace(chosen, schedule="1F1B").schedule is Schedule["1F1B"]  # a plan written by hand names it as text
+    with pytest.raises(ValueError, match="a Plan runs one schedule, not schedule='auto'"):
+        replace(chosen, schedule="auto")

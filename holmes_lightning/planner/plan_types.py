@@ -108,6 +108,12 @@ class Plan:
     backend: Backend = Backend.nccl
     version: int = PLAN_VERSION
 
+    def __post_init__(self) -> None:
+        schedule = Schedule(self.schedule)  # a plan written by hand may name it as a string
+        if schedule.chosen:
+            raise ValueError("a Plan runs one schedule, not schedule='auto'; plan with auto to have one chosen")
+        object.__setattr__(self, "schedule", schedule)
+
     @property
     def pp(self) -> int:
         return len(self.stages)
@@ -187,7 +193,6 @@ class Plan:
         known = {f.name for f in fields(cls)}
         data = {key: value for key, value in data.items() if key in known}
         data["layout"] = LayoutKind(data["layout"])
-        data["schedule"] = Schedule(data["schedule"])
         data["backend"] = Backend(data.get("backend", Backend.nccl))
         data["sharding"] = Sharding(data.get("sharding", Sharding.fsdp))
         data["pp_links"] = tuple(LinkKind(kind) for kind in data.get("pp_links", ()))
