@@ -1,5 +1,5 @@
-"""HolmesStrategy pp=2 x dp=2 and pp=4 x dp=1 (4 gloo processes) train exactly like one process on the same global
-batch.
+"""HolmesStrategy pp=2 x dp=2 and pp=4 x dp=1 (4 gloo processes; a zero-bubble pipeline also pp=4 x dp=2 over
+three_cluster's 8) train exactly like one process on the same global batch.
 
 One launch runs every case in turn; each case's per-step losses must match single-process training within 1e-4
 relative (fp32), with AdamW, a step LR schedule and gradient clipping that is active (so the clipping norm has to
@@ -71,7 +71,7 @@ def train_cases(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
         model, recorder = TinyMLP(), LossRecorder()
         accumulate = case.get("accumulate", 1)
         strategy = HolmesStrategy(
-            cluster="two_cluster_mixed",
+            cluster=case.get("cluster", "two_cluster_mixed"),
             schedule=case["schedule"],
             partition=case["partition"],
             sharding=case.get("sharding", "fsdp"),
@@ -86,7 +86,13 @@ def train_cases(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
         )
         validate = case.get("validate", False)
         trainer = _trainer(
-            STEPS // accumulate, accumulate, validate, devices=1, num_nodes=4, strategy=strategy, callbacks=[recorder]
+            STEPS // accumulate,
+            accumulate,
+            validate,
+            devices=1,
+            num_nodes=case.get("nodes", 4),
+            strategy=strategy,
+            callbacks=[recorder],
         )
         per_replica = GLOBAL_BATCH // case.get("dp", DP)
         val_loader = tiny_loader(VAL_SAMPLES, per_replica, shuffle=False)
@@ -121,6 +127,26 @@ def single_process(accumulate: int = 1, validate: bool = False) -> dict[str, Any
 @pytest.fixture(scope="module")
 def ranks() -> list[dict[str, Any]]:
     return run_ranks("test_equivalence:train_cases", cases=CASES, timeout_s=600)
+
+
+THREE_CLUSTERS = {  # 8 ranks on InfiniBand, RoCE and Ethernet: pp=4 x dp=2, ZB1P's stages across all three
+    "zero_bubble_three_clusters": {
+        "schedule": "InterleavedZeroBubble",
+        "partition": "auto",
+        "pp": 4,
+        "chunks_per_stage": 1,
+        "cluster": "three_cluster",
+        "nodes": 8,
+    }
+}
+
+
+@pytest.mark.slow
+def test_a_zero_bubble_pipeline_over_three_clusters_matches_single_process() -> None:
+    ranks = run_ranks("test_equivalence:train_cases", cluster="three_cluster", cases=THREE_CLUSTERS, timeout_s=600)
+    reference = single_process()["losses"]
+    for rank, result in enumerate(ranks):
+        assert result["zero_bubble_three_clusters"]["losses"] == pytest.approx(reference, rel=1e-4), f"rank {rank}"
 
 
 @pytest.mark.slow
