@@ -107,9 +107,11 @@ def test_shared_cores_must_be_positive():
         best_plan(topology, profile, BatchSettings(8), options=PlanOptions(), costs=MachineCosts(shared_cores=0))
 
 
-def test_a_plan_for_a_device_per_rank_runs_no_slower_on_shared_cores():
+@pytest.mark.parametrize("schedule", ["1F1B", "InterleavedZeroBubble"])
+def test_a_plan_for_a_device_per_rank_runs_no_slower_on_shared_cores(schedule):
     """A plan made for 4 devices each at half of one of 2 cores, run with the 4 ranks sharing the 2 cores: same layout,
-    no slower (a rank computing alone gets a whole core), and no faster than all its work on 2 cores."""
+    no slower (a rank computing alone gets a whole core), and no faster than all its work on 2 cores (a zero-bubble
+    schedule's weight passes at the same share as the rest)."""
     topology = Topology.from_config("two_cluster_mixed")
     layers = tuple(LayerProfile(f"block{i}", 4e10, 8e10, 8e6, 1e6, 4e6) for i in range(6))
     profile = ModelProfile("toy", layers, tokens_per_sample=64)
@@ -117,11 +119,12 @@ def test_a_plan_for_a_device_per_rank_runs_no_slower_on_shared_cores():
         topology,
         profile,
         BatchSettings(16),
-        options=PlanOptions(backend="gloo", pp=2),
+        options=PlanOptions(backend="gloo", pp=2, schedule=schedule),
         costs=MachineCosts(efficiency=0.25),
     )
     shared = on_shared_cores(devices, profile, cores=2, share=0.5)
     assert [s.ranks for s in shared.stages] == [s.ranks for s in devices.stages]
+    assert [s.weight_s for s in shared.stages] == [tuple(w * 0.5 for w in s.weight_s) for s in devices.stages]
     assert shared.prediction.total_s <= devices.prediction.total_s * (1 + 1e-9)
     work = sum(len(s.ranks) * shared.microbatches * (sum(s.forward_s) + sum(s.backward_s)) for s in shared.stages)
     assert shared.prediction.total_s >= work / 2 * (1 - 1e-3)

@@ -341,6 +341,7 @@ def on_shared_cores(
                 seconds * share + (cpu * out_bytes[start - 1] if start > 0 else 0.0)
                 for seconds, (start, _) in zip(stage.backward_s, stage.chunks, strict=True)
             ),
+            weight_s=tuple(seconds * share for seconds in stage.weight_s),  # the message joins the input pass
             exposed_sync_s=stage.exposed_sync_s + (sync_cpu_s if len(stage.ranks) > 1 else 0.0),
         )
         for stage in planned.stages
