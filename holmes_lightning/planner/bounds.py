@@ -171,14 +171,13 @@ class PathShapes:
     def of(cls, schedule: Schedule, pp: int, microbatches: int, chunks: int) -> PathShapes:
         orders, trailing = [], []
         for order in Replay.of(schedule, pp, microbatches, chunks).orders:
-            last = max((p for p, action in enumerate(order) if action.part != WEIGHT), default=-1)
-            orders.append(tuple(order[: last + 1]))
-            trailing.append(tuple(action.chunk for action in order[last + 1 :]))
+            end = _through_last_pass(order)
+            orders.append(tuple(order[:end]))
+            trailing.append(tuple(action.chunk for action in order[end:]))
         chunk_orders = []  # each up to its last input pass: the weight passes after it delay no gradient
         for virtual in range(pp * chunks):
             own = [action for action in orders[virtual % pp] if action.chunk == virtual // pp]
-            last = max((p for p, action in enumerate(own) if action.part != WEIGHT), default=-1)
-            chunk_orders.append(own[: last + 1])
+            chunk_orders.append(own[: _through_last_pass(own)])
         turns = tuple(latest_turns(chunk_orders[-1], chunks - 1, microbatches))
         return cls(
             tuple(orders),
@@ -187,6 +186,11 @@ class PathShapes:
             tuple(OneChunkWalk.of(order, turns) for order in chunk_orders),
             tuple(tuple(descent_turns(order, microbatches)) for order in chunk_orders),
         )
+
+
+def _through_last_pass(order: Sequence[Action]) -> int:
+    """How many of `order`'s actions run up to its last forward or backward (the weight passes after it excluded)."""
+    return max((p + 1 for p, action in enumerate(order) if action.part != WEIGHT), default=0)
 
 
 def descent_turns(order: Sequence[Action], microbatches: int) -> list[int]:
