@@ -44,13 +44,14 @@ def pipelines(draw):
 @settings(max_examples=150, deadline=None)
 @given(pipelines(), st.sampled_from(["nccl", "gloo"]))
 def test_every_path_bound_stays_under_the_simulated_step(pipeline, backend):
-    """Each stage's path (with hops and excursions) and each virtual stage's (with cycles down), with their heads
-    and drains, against the replay of the same step (gloo: sends done for their senders at the rendezvous)."""
+    """Each stage's path (with hops and excursions) and each virtual stage's (with cycles down and, on NCCL, the
+    waits on its own sends), with their heads and drains, against the replay of the same step (gloo: sends done for
+    their senders at the rendezvous)."""
     schedule, pp, m, chunks, forward, full, send, tails, weight = pipeline
     stages = virtual_stages(pp, forward=forward, backward=full, sends=send, tails=tails, weight=weight)
     step = simulate(stages, schedule, m, backend=backend).total_s
     virtual = pp * chunks
-    shapes = PathShapes.of(schedule, pp, m, chunks)
+    shapes = PathShapes.of(schedule, pp, m, chunks, gated=backend == "nccl")
     # a zero-bubble schedule's bounds: input passes as the backwards; the stage walk takes the weight passes too
     backward = [b - w for b, w in zip(full, weight, strict=True)] if weight else full
     weight = weight or [0.0] * virtual
@@ -67,8 +68,15 @@ def test_every_path_bound_stays_under_the_simulated_step(pipeline, backend):
     for v in range(virtual):
         climb = None if v == virtual - 1 else 2 * send[v] + trip[virtual] - trip[v + 1]
         cycles = [(shapes.descents[u], trip[v] - trip[u]) for u in range(v)]
-        path = one_chunk_path_s(shapes.walks[v], forward[v], backward[v], climb, cycles, weight[v])
+        walk, below = shapes.walks[v], send[v - 1] if v else 0.0
+        path = one_chunk_path_s(walk, forward[v], backward[v], climb, cycles, weight[v], send[v], below)
         assert head[v] + path + drains[v] <= step * (1 + 1e-9)
+        alone = walk.path_s(forward[v], backward[v], climb, weight[v], send[v], below)
+        assert head[v] + alone + drains[v] <= step * (1 + 1e-9)
+        if chunks == 1:
+            work = m * (forward[v] + backward[v] + weight[v])
+            waits = walk.waits_s(forward[v], backward[v], send[v], below)
+            assert head[v] + work + waits + tails[v] <= step * (1 + 1e-9)
     for s in range(pp):
         own = [s + j * pp for j in range(chunks)]
         top = own[-1]

@@ -24,6 +24,7 @@ from holmes_lightning.planner.options import Schedule
 from holmes_lightning.planner.schedules import WEIGHT, Action
 from holmes_lightning.planner.simulate import Replay
 
+WAIT, OVERLAP = 1, 2  # `OneChunkWalk.gates`: how an action waits for the previous action's send
 ROUNDING = 1e-12  # relative slack for bounds summed in another order than the simulator sums the same seconds
 
 # (virtual stage, first layer, stop layer) -> (forward s, backward s, send s, tail s, weight s), or None if it cannot
@@ -58,6 +59,11 @@ class OneChunkWalk:
     min(w-1, m-1-j) forwards and min(j, w-1) backwards and may follow excursion j - w; w = `warmup`), "first" (one
     excursion at most, the first backward's the best, as GPipe), else "any": `path_s` then has a closed form, or one
     pass over the backwards. `weights`: how many weight passes (a zero-bubble schedule's) the walk holds.
+
+    `gates`: per action, whether the stage waits for the previous action's send before it starts (`WAIT`: it idles
+    for the whole transfer) or before it moves on after it (`OVERLAP`: the transfer overlaps it), as torch's 1F1B and
+    GPipe wait their batched sends; empty where a send is done before its data arrives (buffered backends).
+    `waits`, `overlaps`: how many of each follow a forward (its send goes up) and a backward (down).
     """
 
     steps: tuple[int, ...]
@@ -69,9 +75,12 @@ class OneChunkWalk:
     warmup: int = 0
     skipped_weights: tuple[int, ...] = ()
     weights: int = 0
+    gates: tuple[int, ...] = ()
+    waits: tuple[int, int] = (0, 0)
+    overlaps: tuple[int, int] = (0, 0)
 
     @classmethod
-    def of(cls, order: Sequence[Action], top_turns: Sequence[int]) -> OneChunkWalk:
+    def of(cls, order: Sequence[Action], top_turns: Sequence[int], gates: Sequence[int] = ()) -> OneChunkWalk:
         steps, forward_at, backward_at, weight_at = [], [], [], []
         for position, action in enumerate(order):
             if action.part == WEIGHT:
@@ -112,11 +121,47 @@ class OneChunkWalk:
         ):
             form = "first"
         skipped = tuple(skipped_forwards), tuple(skipped_backwards)
-        return cls(tuple(steps), turns, *skipped, tuple(previous), form, w, tuple(skipped_weights), len(weight_at))
+        waits, overlaps = [0, 0], [0, 0]  # after a forward, after a backward
+        for position, gate in enumerate(gates):
+            if gate:
+                (waits if gate == WAIT else overlaps)[order[position - 1].backward] += 1
+        return cls(
+            tuple(steps),
+            turns,
+            *skipped,
+            tuple(previous),
+            form,
+            w,
+            tuple(skipped_weights),
+            len(weight_at),
+            tuple(gates),
+            (waits[0], waits[1]),
+            (overlaps[0], overlaps[1]),
+        )
 
-    def path_s(self, forward: float, backward: float, excursion: float | None, weight: float = 0.0) -> float:
+    def waits_s(self, forward: float, backward: float, up: float, down: float) -> float:
+        """At least how long the stage waits on its own sends besides its actions (`up`: a forward's send to the
+        next stage, `down`: a backward's to the previous)."""
+        return (
+            self.waits[0] * up
+            + self.waits[1] * down
+            + self.overlaps[0] * max(up - forward, 0.0)
+            + self.overlaps[1] * max(down - backward, 0.0)
+        )
+
+    def path_s(
+        self,
+        forward: float,
+        backward: float,
+        excursion: float | None,
+        weight: float = 0.0,
+        up: float = 0.0,
+        down: float = 0.0,
+    ) -> float:
         """`one_chunk_path_s` without descents: every action, plus the excursions with the largest total gain (each
         replaces the actions it skips by `excursion`; each leaves after the one before came back)."""
+        if self.gates and (up or down):  # the waits on sends: one pass over the actions
+            return one_chunk_path_s(self, forward, backward, excursion, (), weight, up, down)
         backwards, weights = len(self.turns), self.weights
         total = (len(self.steps) - backwards - weights) * forward + backwards * backward + weights * weight
         if excursion is None:
@@ -157,7 +202,7 @@ class PathShapes:
     walks them), `trailing`: the chunks of the weight passes after it (they delay the stage's tail, not the gradient
     going down). Per virtual stage, its chunk's actions in its stage's order up to its last input pass (the other
     chunks' left out): `walks` (their `OneChunkWalk`) and `descents` (their `descent_turns`); `turns`:
-    `latest_turns` of the last virtual stage.
+    `latest_turns` of the last virtual stage. `gated`: the walks hold the waits on sends (`OneChunkWalk.gates`).
     """
 
     orders: tuple[tuple[Action, ...], ...]
@@ -168,9 +213,10 @@ class PathShapes:
 
     @classmethod
     @cache
-    def of(cls, schedule: Schedule, pp: int, microbatches: int, chunks: int) -> PathShapes:
+    def of(cls, schedule: Schedule, pp: int, microbatches: int, chunks: int, gated: bool = False) -> PathShapes:
+        replay = Replay.of(schedule, pp, microbatches, chunks)
         orders, trailing = [], []
-        for order in Replay.of(schedule, pp, microbatches, chunks).orders:
+        for order in replay.orders:
             end = _through_last_pass(order)
             orders.append(tuple(order[:end]))
             trailing.append(tuple(action.chunk for action in order[end:]))
@@ -183,9 +229,22 @@ class PathShapes:
             tuple(orders),
             tuple(trailing),
             turns,
-            tuple(OneChunkWalk.of(order, turns) for order in chunk_orders),
+            tuple(
+                OneChunkWalk.of(order, turns, _send_gates(replay, v)[: len(order)] if gated and chunks == 1 else ())
+                for v, order in enumerate(chunk_orders)
+            ),
             tuple(tuple(descent_turns(order, microbatches)) for order in chunk_orders),
         )
+
+
+def _send_gates(replay: Replay, stage: int) -> list[int]:
+    """Per action of a stage, in its order: `WAIT` or `OVERLAP` on the previous action's send (0: neither)."""
+    indices = [i for i, (s, _) in enumerate(replay.actions) if s == stage]  # listed in the stage's order
+    gates = []
+    for p, i in enumerate(indices):
+        previous = indices[p - 1] if p else -2
+        gates.append(WAIT if replay.gate[i] == previous else OVERLAP if replay.after_gate[i] == previous else 0)
+    return gates
 
 
 def _through_last_pass(order: Sequence[Action]) -> int:
@@ -216,22 +275,30 @@ def one_chunk_path_s(
     excursion: float | None,
     descents: Sequence[tuple[Sequence[int], float]] = (),
     weight: float = 0.0,
+    up: float = 0.0,
+    down: float = 0.0,
 ) -> float:
     """`stage_path_s` of a stage with one chunk, from its first action's start to its last action's end (`weight`:
-    each weight pass's seconds).
+    each weight pass's seconds; `up`, `down`: a forward's and a backward's send, for the walk's `gates`).
 
     `descents`: (that stage's `descent_turns`, seconds) per earlier stage: a path may leave this stage at a backward,
     go down to that stage with the gradient, and climb back with a later micro-batch (a cycle across slow links or
     slow stages below, seconds: every action and both transfers between the two stages, that stage's included).
     """
-    if not descents:
+    gates = walk.gates if up or down else ()
+    if not descents and not gates:
         return walk.path_s(forward, backward, excursion, weight)
     clock = 0.0
     forward_end: list[float] = []
     backward_end: list[float] = []
     forwards = backwards = 0  # the lists' lengths (this loop runs for most partial splits the search visits)
     climbs = excursion is not None
-    for step in walk.steps:
+    sent = 0.0  # the previous action's send
+    for position, step in enumerate(walk.steps):
+        previous_end = clock
+        gate = gates[position] if gates else 0
+        if gate == WAIT:
+            clock += sent
         if step == -2:
             for turns, seconds in descents:
                 j = turns[forwards]
@@ -244,8 +311,10 @@ def one_chunk_path_s(
             clock += forward
             forward_end.append(clock)
             forwards += 1
+            following = up
         elif step == -3:
             clock += weight
+            following = 0.0
         else:
             if climbs and step >= 0:
                 back = forward_end[step] + excursion
@@ -254,6 +323,10 @@ def one_chunk_path_s(
             clock += backward
             backward_end.append(clock)
             backwards += 1
+            following = down
+        if gate == OVERLAP and previous_end + sent > clock:
+            clock = previous_end + sent
+        sent = following
     return clock
 
 
@@ -371,27 +444,28 @@ class SuffixBounds:
             for x in range(u, layers - later):
                 stops = range(layers, layers + 1) if later == 0 else range(x + 1, layers - later + 1)
                 best_chain = inf
-                reach, relay = [], []  # per stop: (value's floor, stop, forward, backward, weight, climb, tail, past)
+                reach, relay = [], []  # per stop: (value's floor, stop, forward, backward, weight, send, climb, tail,
+                # past)
                 for y in stops:
                     costs = cost(u, x, y)
                     if costs is None:
                         continue
                     forward, backward, send, tail, weight = costs
                     work = forward + backward
-                    floor = m * (work + weight)  # the stage's path is at least this
+                    floor = m * (work + weight) + walks[u].waits_s(forward, backward, send, 0.0)  # its path's least
                     if floor + tail >= keep:
                         continue
                     if later == 0:
                         best_chain = min(best_chain, work)
-                        reach.append((floor + tail, y, forward, backward, weight, None, tail, 0.0))
-                        relay.append((floor, y, forward, backward, weight, None, 0.0, 0.0))
+                        reach.append((floor + tail, y, forward, backward, weight, send, None, tail, 0.0))
+                        relay.append((floor, y, forward, backward, weight, send, None, 0.0, 0.0))
                         continue
                     climb = 2 * send + chain_above[y]
                     best_chain = min(best_chain, work + climb)
                     past = forward + send + reach_above[y]
-                    reach.append((max(floor + tail, past), y, forward, backward, weight, climb, tail, past))
+                    reach.append((max(floor + tail, past), y, forward, backward, weight, send, climb, tail, past))
                     past = work + 2 * send + relay_above[y]
-                    relay.append((max(floor, past), y, forward, backward, weight, climb, 0.0, past))
+                    relay.append((max(floor, past), y, forward, backward, weight, send, climb, 0.0, past))
                 tables.chain[u][x] = best_chain
                 tables.reach[u][x] = tables._least(reach, walks[u], u, x)
                 tables.relay[u][x] = tables._least(relay, walks[u], u, x)
@@ -408,11 +482,11 @@ class SuffixBounds:
         The path (at least its floor, m x work) is computed only for ranges whose floor could still give the least.
         """
         best = math.inf
-        for floor, y, forward, backward, weight, climb, tail, past in sorted(options):
+        for floor, y, forward, backward, weight, send, climb, tail, past in sorted(options):
             if floor >= best:
                 break
             key = (u, x, y)
-            if key not in self.paths:
-                self.paths[key] = walk.path_s(forward, backward, climb, weight)
+            if key not in self.paths:  # the send down into it left out: it depends on the stage below
+                self.paths[key] = walk.path_s(forward, backward, climb, weight, send)
             best = min(best, max(self.paths[key] + tail, past))
         return best

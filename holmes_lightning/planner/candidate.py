@@ -67,7 +67,7 @@ class Candidate:
         self.buffered = self.cost.backend in BUFFERED_BACKENDS
         self.held = [held_at_peaks(order, self.chunks) for order in self.replay.orders]
         self.in_flight = [peak_stash(held, [1.0] * self.chunks) for held in self.held]
-        self.shapes = PathShapes.of(self.schedule, pp, self.microbatches, self.chunks)
+        self.shapes = PathShapes.of(self.schedule, pp, self.microbatches, self.chunks, gated=not self.buffered)
         hardware, dp = self.hardware, self.layout.dp
         order = self.in_flight if self.chunks == 1 else range(pp)  # what memory needs of each stage's order
         self.pipelined = self.virtual > 1

@@ -208,7 +208,10 @@ class _Search:
         else:
             tail = None
         drain = ends if v == 0 else max(ends, path.drains[v - 1] + path.send[v - 1] + path.backward[v - 1])
-        bound = max(bound, path.head[stage] + m * work + (tail or 0.0))  # all its actions follow its first one
+        busy = m * work  # all its actions follow its first one, and the waits on its sends between them
+        if chunks == 1:
+            busy += c.shapes.walks[v].waits_s(forward, backward, send, path.send[v - 1] if v else 0.0)
+        bound = max(bound, path.head[stage] + busy + (tail or 0.0))
         if v < self.virtual - 1:
             next_head = path.head[v] + forward + send
             bound = max(
@@ -268,10 +271,12 @@ class _Search:
         if v == 0:
             key = (v, child.start, child.stop)
             if key not in paths:
-                paths[key] = walk.path_s(child.forward, child.backward, excursion, child.weight)
+                paths[key] = walk.path_s(child.forward, child.backward, excursion, child.weight, child.send)
             return paths[key] + child.drain
         descents = [(shapes.descents[u], path.trip[v] - path.trip[u]) for u in range(max(0, v - DESCENTS), v)]
-        path_s = one_chunk_path_s(walk, child.forward, child.backward, excursion, descents, child.weight)
+        path_s = one_chunk_path_s(
+            walk, child.forward, child.backward, excursion, descents, child.weight, child.send, path.send[v - 1]
+        )
         return path.head[v] + path_s + child.drain
 
     def _stage_path_s(self, path: _Path, child: _Child) -> float:
