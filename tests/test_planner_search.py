@@ -32,7 +32,7 @@ from holmes_lightning.planner.layout import StageHardware, dp_degrees, holmes_la
 from holmes_lightning.planner.partition import PartitionStats, search_partition
 from holmes_lightning.planner.report import format_comparison
 from holmes_lightning.planner.schedules import microbatch_problem
-from holmes_lightning.planner.search import SearchStats
+from holmes_lightning.planner.search import SearchStats, balanced_partition, descend
 from holmes_lightning.topology import Topology, TopologyError
 
 GB = 1e9
@@ -194,7 +194,8 @@ def test_no_expressible_plan_is_faster_than_the_returned_one(topology, request, 
     data=st.data(),
 )
 def test_the_split_search_finds_the_best_of_every_split(topology, model, schedule, per_rank, data):
-    """One layout at a time (random order, DP size, micro-batches, sharding): the branch and bound vs every split."""
+    """One layout at a time (random order, DP size, micro-batches, sharding): the branch and bound vs every split;
+    the seed's balanced split and its descent are whole splits, no faster than the best."""
     chunks = data.draw(st.sampled_from([1, 2])) if schedule == "InterleavedZeroBubble" else 1
     chunks = 2 if schedule == "Interleaved1F1B" else chunks
     dps = [d for d in dp_degrees(topology) if topology.world_size // d * chunks <= model.num_layers]
@@ -227,6 +228,13 @@ def test_the_split_search_finds_the_best_of_every_split(topology, model, schedul
     assert found is not None
     assert found[1] == pytest.approx(min(fitting)[0], rel=1e-9)
     assert candidate.step_s(found[0]) == found[1]
+    balanced = balanced_partition(candidate)  # the first incumbent's start: any whole split, improved by descending
+    assert len(balanced) == pp * chunks and min(balanced) >= 1 and sum(balanced) == model.num_layers
+    start = candidate.step_s(balanced)
+    if start is not None:
+        counts, step = descend(candidate, balanced, start)
+        assert min(fitting)[0] * (1 - 1e-9) <= step <= start
+        assert candidate.step_s(counts) == step
 
 
 @st.composite

@@ -1,6 +1,8 @@
 """The search over candidates (layout x micro-batch count x sharding) and their splits, bounded by the best so far.
 
-1. Every candidate's uniform split (or the requested split) is simulated: a good first incumbent, cheaply.
+1. Every candidate's uniform split (or the requested split) is simulated; then the balanced split (least busy
+   busiest stage, `balanced_partition`) of each candidate whose one-pass bound is under the best so far, and the
+   fastest few of those improved layer by layer (`descend`): a first incumbent near the optimum, cheaply.
 2. A one-pass bound, then the least bound over all splits (`SuffixBounds`), cuts candidates that cannot beat it.
 3. The rest, lowest bound first, are split by branch and bound (`partition.search_partition`).
 
@@ -25,6 +27,7 @@ from holmes_lightning.planner.partition import (
     uniform_partition,
 )
 
+DESCENTS = 4  # how many candidates, those of the fastest balanced splits, `descend` improves before the exact searches
 TIE = 1e-9  # relative: steps this close count as equal, and the earlier preference wins
 
 
@@ -113,8 +116,21 @@ def search(
             lower[preference] = math.inf if step is None else step
     if any(fixed(candidate) is not None for _, candidate in candidates):
         return best
+    quick = sorted((quick_bound(c), p, c) for p, c in candidates)
+    if not first:  # a better incumbent: the balanced splits of candidates that may still win, the best descended
+        seeds = []
+        for bound, preference, candidate in quick:
+            if best is not None and bound >= best.step_s:
+                break
+            counts = balanced_partition(candidate)
+            step = candidate.step_s(counts)
+            if step is not None:
+                offer(preference, candidate, counts, step)
+                seeds.append((step, preference, candidate, counts))
+        for step, preference, candidate, counts in sorted(seeds, key=lambda seed: seed[:2])[:DESCENTS]:
+            offer(preference, candidate, *descend(candidate, counts, step))
     survivors = []
-    for bound, preference, candidate in sorted((quick_bound(c), p, c) for p, c in candidates):
+    for bound, preference, candidate in quick:
         lower[preference] = bound
         bar = best.bar(preference) if best else ceiling
         if bound * (1 - ROUNDING) >= bar:
@@ -142,6 +158,53 @@ def search(
         elif bar == math.inf:
             infeasible(candidate, None)
     return best
+
+
+def balanced_partition(candidate: Candidate) -> tuple[int, ...]:
+    """The split whose busiest virtual stage is least busy: m x (its passes) + its waits on sends (a cheap proxy for
+    the step, found by dynamic programming over the ranges; memory and checkpointing left to the simulation)."""
+    c, virtual, layers, m = candidate, candidate.virtual, candidate.num_layers, candidate.microbatches
+    pp = c.layout.pp
+    least = [[math.inf] * (layers + 1) for _ in range(virtual + 1)]
+    stop_of = [[0] * (layers + 1) for _ in range(virtual + 1)]
+    least[virtual][layers] = 0.0
+    for v in range(virtual - 1, -1, -1):
+        stage, walk, later = v % pp, c.shapes.walks[v], virtual - 1 - v
+        for start in range(v, layers - later):
+            down = c.send_s(v - 1, start) if v else 0.0
+            for stop in range(start + 1, layers - later + 1):
+                forward, backward = c.forward_s(stage, start, stop), c.backward_s(stage, start, stop)
+                busy = m * (forward + backward)
+                if busy >= least[v][start]:  # and more so with more layers
+                    break
+                weight = c.weight_s(stage, start, stop)
+                busy += walk.waits_s(forward, backward - weight, c.send_s(v, stop), down)
+                if max(busy, least[v + 1][stop]) < least[v][start]:
+                    least[v][start], stop_of[v][start] = max(busy, least[v + 1][stop]), stop
+    stops = [0]
+    for v in range(virtual):
+        stops.append(stop_of[v][stops[-1]])
+    return tuple(b - a for a, b in zip(stops, stops[1:], strict=False))
+
+
+def descend(candidate: Candidate, counts: tuple[int, ...], step: float) -> tuple[tuple[int, ...], float]:
+    """From `counts` (of step `step`), move one layer across a boundary while the best such move shortens the
+    simulated step: a local optimum, which only sets the bar the exact search must beat."""
+    while True:
+        best = (counts, step)
+        for v in range(len(counts) - 1):
+            for shift in (1, -1):  # one layer from v + 1 to v, or from v to v + 1
+                moved = list(counts)
+                moved[v] += shift
+                moved[v + 1] -= shift
+                if min(moved[v], moved[v + 1]) < 1:
+                    continue
+                found = candidate.step_s(moved)
+                if found is not None and found < best[1]:
+                    best = (tuple(moved), found)
+        if best[0] == counts:
+            return counts, step
+        counts, step = best
 
 
 def quick_bound(candidate: Candidate) -> float:
