@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+from holmes_lightning.planner.bounds import SuffixBounds
 from holmes_lightning.planner.candidate import GB, Candidate, RangeCosts, predict_step
 from holmes_lightning.planner.cost import CostModel, MachineCosts, sync_bytes
 from holmes_lightning.planner.layout import (
@@ -129,12 +130,15 @@ def best_plan(
         return _fixed_counts(options, candidate)
 
     lower: dict[tuple[int, ...], float] = {}
-    fastest = search(candidates(None), fixed, stats, infeasible, lower=lower, slack=STEP_TOLERANCE)
+    tables: dict[tuple[int, ...], SuffixBounds] = {}
+    fastest = search(candidates(None), fixed, stats, infeasible, lower=lower, slack=STEP_TOLERANCE, tables=tables)
     if fastest is None:
         reasons = "\n  ".join(dict.fromkeys(problems)) or "no layout fits"
         raise PlanError(f"no feasible plan for {topology.name!r} and {profile.name!r}:\n  {reasons}")
     slowest = fastest.step_s * (1 + STEP_TOLERANCE)
-    chosen = _least_memory(fastest, lambda ceiling: candidates(ceiling, lambda p: lower[p] < slowest), fixed, stats)
+    chosen = _least_memory(
+        fastest, lambda ceiling: candidates(ceiling, lambda p: lower[p] < slowest), fixed, stats, tables
+    )
     more = () if chosen is fastest else (_memory_note(chosen, fastest),)
     return _as_plan(chosen.candidate, chosen.counts, options, bound, more)
 
@@ -181,11 +185,13 @@ def _least_memory(
     candidates: Callable[[float | None], list[tuple[tuple[int, ...], Candidate]]],
     fixed: Callable[[Candidate], tuple[int, ...] | None],
     stats: SearchStats,
+    tables: dict[tuple[int, ...], SuffixBounds],
 ) -> Found:
     """Of the plans predicted within `STEP_TOLERANCE` of `fastest`, one taking the least peak memory per device (to
     `MEMORY_RESOLUTION` of `fastest`'s): a bisection on a memory ceiling, each step a search for any plan under that
     ceiling and step.
-    `candidates(ceiling)`: those that may have a plan that fast (their bound from the first search says so).
+    `candidates(ceiling)`: those that may have a plan that fast (their bound from the first search says so);
+    `tables`: the first search's suffix tables, per preference.
 
     The ceiling never turns on more activation checkpointing than the memory limit needs; it only rules plans out.
     """
@@ -195,7 +201,9 @@ def _least_memory(
     while high - low > MEMORY_RESOLUTION * peak:
         stats.memory_searches += 1
         middle = (low + high) / 2
-        found = search(candidates(middle), fixed, SearchStats(), lambda *_: None, ceiling=slowest, first=True)
+        found = search(
+            candidates(middle), fixed, SearchStats(), lambda *_: None, ceiling=slowest, first=True, tables=tables
+        )
         if found is None:
             low = middle
         else:

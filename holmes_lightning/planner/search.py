@@ -1,8 +1,8 @@
 """The search over candidates (layout x micro-batch count x sharding) and their splits, bounded by the best so far.
 
 1. Every candidate's uniform split (or the requested split) is simulated; then the balanced split (least busy
-   busiest stage, `balanced_partition`) of each candidate whose one-pass bound is under the best so far, and the
-   fastest few of those improved layer by layer (`descend`): a first incumbent near the optimum, cheaply.
+   busiest stage, `balanced_partition`) of each candidate whose one-pass bound is under the best so far, each
+   improved layer by layer (`descend`): a first incumbent near the optimum, cheaply.
 2. A one-pass bound, then the least bound over all splits (`SuffixBounds`), cuts candidates that cannot beat it.
 3. The rest, lowest bound first, are split by branch and bound (`partition.search_partition`).
 
@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from holmes_lightning.planner.bounds import water_level_s
+from holmes_lightning.planner.bounds import SuffixBounds, water_level_s
 from holmes_lightning.planner.candidate import Candidate
 from holmes_lightning.planner.partition import (
     ROUNDING,
@@ -27,7 +27,6 @@ from holmes_lightning.planner.partition import (
     uniform_partition,
 )
 
-DESCENTS = 4  # how many candidates, those of the fastest balanced splits, `descend` improves before the exact searches
 TIE = 1e-9  # relative: steps this close count as equal, and the earlier preference wins
 
 
@@ -84,6 +83,7 @@ def search(
     lower: dict[tuple[int, ...], float] | None = None,
     slack: float = 0.0,
     first: bool = False,
+    tables: dict[tuple[int, ...], SuffixBounds] | None = None,
 ) -> Found | None:
     """The best (candidate, split) of `candidates` (preference, candidate) with a step under `ceiling`; `fixed`: the
     requested split, if any.
@@ -91,7 +91,9 @@ def search(
     `infeasible(candidate, counts)` is told of every candidate whose split (None: every split) exceeds memory.
     `lower`, if given, gets per preference a lower bound on the candidate's step that holds for every split within
     `slack` (a share) of the best plan's step; the tables are built that much looser to give it. `first`: any plan
-    under `ceiling` will do, the first one found.
+    under `ceiling` will do, the first one found. `tables`: per preference, suffix tables to reuse where built for a
+    bar no lower, and to fill with those of candidates without a memory ceiling (a ceiling only rules splits out, so
+    those bound the same candidate under any ceiling; not the other way round).
     """
     stats.candidates += len(candidates)
     best: Found | None = None
@@ -127,7 +129,7 @@ def search(
             if step is not None:
                 offer(preference, candidate, counts, step)
                 seeds.append((step, preference, candidate, counts))
-        for step, preference, candidate, counts in sorted(seeds, key=lambda seed: seed[:2])[:DESCENTS]:
+        for step, preference, candidate, counts in sorted(seeds, key=lambda seed: seed[:2]):
             offer(preference, candidate, *descend(candidate, counts, step))
     survivors = []
     for bound, preference, candidate in quick:
@@ -136,21 +138,25 @@ def search(
         if bound * (1 - ROUNDING) >= bar:
             stats.cut_quick += 1
             continue
-        tables = suffix_bounds(candidate, bar * (1 + slack))
-        root = lower[preference] = max(tables.root_s, bound)
-        if tables.root_s == math.inf and bar == math.inf:
+        kept = tables.get(preference) if tables is not None else None
+        if kept is None or kept.bar < bar * (1 + slack):
+            kept = suffix_bounds(candidate, bar * (1 + slack))
+            if tables is not None and candidate.memory_ceiling is None:
+                tables[preference] = kept
+        root = lower[preference] = max(kept.root_s, bound)
+        if kept.root_s == math.inf and bar == math.inf:
             infeasible(candidate, None)
         if root * (1 - ROUNDING) >= bar:
             stats.cut_tables += 1
             continue
-        survivors.append((root, preference, candidate, tables))
-    for root, preference, candidate, tables in sorted(survivors, key=lambda entry: entry[:2]):
+        survivors.append((root, preference, candidate, kept))
+    for root, preference, candidate, kept in sorted(survivors, key=lambda entry: entry[:2]):
         bar = best.bar(preference) if best else ceiling
         if root * (1 - ROUNDING) >= bar:
             stats.cut_tables += 1
             continue
         stats.searched += 1
-        found = search_partition(candidate, bar, stats.partitions, tables, first=first)
+        found = search_partition(candidate, bar, stats.partitions, kept, first=first)
         if found is not None:
             offer(preference, candidate, *found)
             if first:
@@ -161,8 +167,9 @@ def search(
 
 
 def balanced_partition(candidate: Candidate) -> tuple[int, ...]:
-    """The split whose busiest virtual stage is least busy: m x (its passes) + its waits on sends (a cheap proxy for
-    the step, found by dynamic programming over the ranges; memory and checkpointing left to the simulation)."""
+    """The split whose busiest virtual stage is least busy: m x (its passes) + its waits on sends + its tail (one
+    chunk per stage), a cheap proxy for the step, by dynamic programming over the ranges (memory and checkpointing
+    left to the simulation)."""
     c, virtual, layers, m = candidate, candidate.virtual, candidate.num_layers, candidate.microbatches
     pp = c.layout.pp
     least = [[math.inf] * (layers + 1) for _ in range(virtual + 1)]
@@ -179,6 +186,8 @@ def balanced_partition(candidate: Candidate) -> tuple[int, ...]:
                     break
                 weight = c.weight_s(stage, start, stop)
                 busy += walk.waits_s(forward, backward - weight, c.send_s(v, stop), down)
+                if c.chunks == 1:  # and what follows its last backward
+                    busy += c.tail_s(stage, c.param_bytes(start, stop), stop - start, forward + backward)
                 if max(busy, least[v + 1][stop]) < least[v][start]:
                     least[v][start], stop_of[v][start] = max(busy, least[v + 1][stop]), stop
     stops = [0]
