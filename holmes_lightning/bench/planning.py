@@ -33,10 +33,13 @@ SAMPLES_PER_GPU = 2  # global batch = 2 sequences of 2,048 tokens per GPU
 
 @dataclass(frozen=True)
 class Shape:
-    """A family of clusters: per cluster its NIC kind, NIC Gb/s and device TFLOPS; GPUs split evenly."""
+    """A family of clusters: per cluster its NIC kind, NIC Gb/s and device TFLOPS; GPUs split evenly. `pairs`: Gb/s
+    of the link between clusters i and j (the rest: the default inter-cluster link); planned from `smallest` GPUs."""
 
     name: str
     clusters: tuple[tuple[str, float, float], ...]
+    pairs: tuple[tuple[int, int, float], ...] = ()
+    smallest: int = GPU_COUNTS[0]
 
     def topology(self, gpus: int) -> Topology:
         nodes = gpus // 8 // len(self.clusters)
@@ -44,7 +47,23 @@ class Shape:
             {"name": f"C{i}", "nodes": nodes, "device_tflops": tflops, "nic": {"kind": kind, "gbps": gbps}}
             for i, (kind, gbps, tflops) in enumerate(self.clusters)
         ]
-        return Topology.from_config({"name": f"{self.name}_{gpus}", "devices_per_node": 8, "clusters": groups})
+        config = {"name": f"{self.name}_{gpus}", "devices_per_node": 8, "clusters": groups}
+        if self.pairs:
+            links = [{"clusters": [f"C{i}", f"C{j}"], "gbps": gbps} for i, j, gbps in self.pairs]
+            config["inter_cluster"] = {"gbps": 10, "pairs": links}
+        return Topology.from_config(config)
+
+
+EIGHT_SITES = (  # IB, RoCE and Ethernet at two GPU speeds; every pair of sites has its own WAN link, 10-50 Gb/s
+    ("infiniband", 400, 312),
+    ("infiniband", 200, 312),
+    ("roce", 200, 312),
+    ("roce", 100, 156),
+    ("ethernet", 100, 156),
+    ("infiniband", 200, 156),
+    ("roce", 200, 156),
+    ("ethernet", 25, 312),
+)
 
 
 SHAPES = (
@@ -53,6 +72,12 @@ SHAPES = (
     Shape(
         "4 distinct clusters",
         (("infiniband", 400, 312), ("infiniband", 200, 312), ("roce", 200, 156), ("roce", 100, 125)),
+    ),
+    Shape(
+        "8 distinct sites",
+        EIGHT_SITES,
+        pairs=tuple((i, j, 10.0 * (1 + i * j % 5)) for i in range(8) for j in range(i + 1, 8)),
+        smallest=8192,  # below, each site has too few nodes for one stage of DP: pipelines of 16 and more stages
     ),
 )
 
@@ -141,7 +166,7 @@ def main(argv: list[str] | None = None) -> list[Timing]:
     out.mkdir(parents=True, exist_ok=True)
     timings = []
     for shape in SHAPES:
-        for gpus in (n for n in GPU_COUNTS if n <= args.max_gpus):
+        for gpus in (n for n in GPU_COUNTS if shape.smallest <= n <= args.max_gpus):
             timings.append(time_planning(shape, gpus, args.repeats))
             print(f"{shape.name:<24}{gpus:>6,} GPUs  {timings[-1].median_s:8.3f} s", flush=True)
     print("\n" + table(timings))
