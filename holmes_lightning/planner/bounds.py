@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, bisect_right
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cache
@@ -24,7 +25,7 @@ from holmes_lightning.planner.options import Schedule
 from holmes_lightning.planner.schedules import WEIGHT, Action
 from holmes_lightning.planner.simulate import Replay
 
-WAIT, OVERLAP = 1, 2  # `OneChunkWalk.gates`: how an action waits for the previous action's send
+UP, DOWN = 1, 2  # `OneChunkWalk.gaps`: a transfer to the next virtual stage (a forward's), or to the previous
 ROUNDING = 1e-12  # relative slack for bounds summed in another order than the simulator sums the same seconds
 
 # (virtual stage, first layer, stop layer) -> (forward s, backward s, send s, tail s, weight s), or None if it cannot
@@ -60,10 +61,11 @@ class OneChunkWalk:
     excursion at most, the first backward's the best, as GPipe), else "any": `path_s` then has a closed form, or one
     pass over the backwards. `weights`: how many weight passes (a zero-bubble schedule's) the walk holds.
 
-    `gates`: per action, whether the stage waits for the previous action's send before it starts (`WAIT`: it idles
-    for the whole transfer) or before it moves on after it (`OVERLAP`: the transfer overlaps it), as torch's 1F1B and
-    GPipe wait their batched sends; empty where a send is done before its data arrives (buffered backends).
-    `waits`, `overlaps`: how many of each follow a forward (its send goes up) and a backward (down).
+    `gaps`: per action, the transfers the stage idles for around it (`UP`, `DOWN` or 0: none), as torch's GPipe and
+    1F1B post and wait on NCCL: (the previous action's send, waited for before it starts; the transfer into it,
+    which starts only once the stage posts its recv after the previous action; the previous action's send, waited for
+    before the stage moves on after it). Empty where sends are done before their data arrives (buffered backends).
+    `closing`: how many backwards (input passes) follow its last forward.
     """
 
     steps: tuple[int, ...]
@@ -75,12 +77,14 @@ class OneChunkWalk:
     warmup: int = 0
     skipped_weights: tuple[int, ...] = ()
     weights: int = 0
-    gates: tuple[int, ...] = ()
-    waits: tuple[int, int] = (0, 0)
-    overlaps: tuple[int, int] = (0, 0)
+    gaps: tuple[tuple[int, int, int], ...] = ()
+    gap_counts: tuple[tuple[tuple[int, int, int], bool, int], ...] = ()
+    closing: int = 0
 
     @classmethod
-    def of(cls, order: Sequence[Action], top_turns: Sequence[int], gates: Sequence[int] = ()) -> OneChunkWalk:
+    def of(
+        cls, order: Sequence[Action], top_turns: Sequence[int], gaps: Sequence[tuple[int, int, int]] = ()
+    ) -> OneChunkWalk:
         steps, forward_at, backward_at, weight_at = [], [], [], []
         for position, action in enumerate(order):
             if action.part == WEIGHT:
@@ -121,10 +125,7 @@ class OneChunkWalk:
         ):
             form = "first"
         skipped = tuple(skipped_forwards), tuple(skipped_backwards)
-        waits, overlaps = [0, 0], [0, 0]  # after a forward, after a backward
-        for position, gate in enumerate(gates):
-            if gate:
-                (waits if gate == WAIT else overlaps)[order[position - 1].backward] += 1
+        counts = Counter((gap, action.backward) for gap, action in zip(gaps, order, strict=False) if any(gap))
         return cls(
             tuple(steps),
             turns,
@@ -134,20 +135,19 @@ class OneChunkWalk:
             w,
             tuple(skipped_weights),
             len(weight_at),
-            tuple(gates),
-            (waits[0], waits[1]),
-            (overlaps[0], overlaps[1]),
+            tuple(gaps),
+            tuple((gap, backward, count) for (gap, backward), count in counts.items()),
+            len(backward_at) - bisect_right(backward_at, forward_at[-1]) if forward_at else len(backward_at),
         )
 
     def waits_s(self, forward: float, backward: float, up: float, down: float) -> float:
-        """At least how long the stage waits on its own sends besides its actions (`up`: a forward's send to the
-        next stage, `down`: a backward's to the previous)."""
-        return (
-            self.waits[0] * up
-            + self.waits[1] * down
-            + self.overlaps[0] * max(up - forward, 0.0)
-            + self.overlaps[1] * max(down - backward, 0.0)
-        )
+        """At least how long the stage idles on transfers between its actions (`gaps`; `up`: a transfer to the next
+        virtual stage, `down`: to the previous)."""
+        seconds, total = (0.0, up, down), 0.0
+        for (waited, received, overlapped), own_backward, count in self.gap_counts:
+            gap = max(seconds[waited], seconds[received])
+            total += count * (gap + max(seconds[overlapped] - gap - (backward if own_backward else forward), 0.0))
+        return total
 
     def path_s(
         self,
@@ -160,7 +160,7 @@ class OneChunkWalk:
     ) -> float:
         """`one_chunk_path_s` without descents: every action, plus the excursions with the largest total gain (each
         replaces the actions it skips by `excursion`; each leaves after the one before came back)."""
-        if self.gates and (up or down):  # the waits on sends: one pass over the actions
+        if self.gaps and (up or down):  # the waits on transfers: one pass over the actions
             return one_chunk_path_s(self, forward, backward, excursion, (), weight, up, down)
         backwards, weights = len(self.turns), self.weights
         total = (len(self.steps) - backwards - weights) * forward + backwards * backward + weights * weight
@@ -202,7 +202,7 @@ class PathShapes:
     walks them), `trailing`: the chunks of the weight passes after it (they delay the stage's tail, not the gradient
     going down). Per virtual stage, its chunk's actions in its stage's order up to its last input pass (the other
     chunks' left out): `walks` (their `OneChunkWalk`) and `descents` (their `descent_turns`); `turns`:
-    `latest_turns` of the last virtual stage. `gated`: the walks hold the waits on sends (`OneChunkWalk.gates`).
+    `latest_turns` of the last virtual stage. `gated`: the walks hold the waits on transfers (`OneChunkWalk.gaps`).
     """
 
     orders: tuple[tuple[Action, ...], ...]
@@ -230,21 +230,26 @@ class PathShapes:
             tuple(trailing),
             turns,
             tuple(
-                OneChunkWalk.of(order, turns, _send_gates(replay, v)[: len(order)] if gated and chunks == 1 else ())
+                OneChunkWalk.of(order, turns, _gaps(replay, v)[: len(order)] if gated and chunks == 1 else ())
                 for v, order in enumerate(chunk_orders)
             ),
             tuple(tuple(descent_turns(order, microbatches)) for order in chunk_orders),
         )
 
 
-def _send_gates(replay: Replay, stage: int) -> list[int]:
-    """Per action of a stage, in its order: `WAIT` or `OVERLAP` on the previous action's send (0: neither)."""
+def _gaps(replay: Replay, stage: int) -> list[tuple[int, int, int]]:
+    """Per action of a one-chunk stage, in its order, its `OneChunkWalk.gaps`."""
     indices = [i for i, (s, _) in enumerate(replay.actions) if s == stage]  # listed in the stage's order
-    gates = []
+    gaps = []
     for p, i in enumerate(indices):
         previous = indices[p - 1] if p else -2
-        gates.append(WAIT if replay.gate[i] == previous else OVERLAP if replay.after_gate[i] == previous else 0)
-    return gates
+        sent = (DOWN if replay.backward[previous] else UP) if p else 0
+        received = 0  # the first action's transfer is in the path's head
+        if p and replay.rendezvous and replay.transfer[i] >= 0:
+            received = UP if replay.backward[i] else DOWN
+        waited = sent if replay.gate[i] == previous else 0
+        gaps.append((waited, received, sent if replay.after_gate[i] == previous else 0))
+    return gaps
 
 
 def _through_last_pass(order: Sequence[Action]) -> int:
@@ -279,26 +284,29 @@ def one_chunk_path_s(
     down: float = 0.0,
 ) -> float:
     """`stage_path_s` of a stage with one chunk, from its first action's start to its last action's end (`weight`:
-    each weight pass's seconds; `up`, `down`: a forward's and a backward's send, for the walk's `gates`).
+    each weight pass's seconds; `up`, `down`: a transfer to the next and to the previous virtual stage, for the
+    walk's `gaps`).
 
     `descents`: (that stage's `descent_turns`, seconds) per earlier stage: a path may leave this stage at a backward,
     go down to that stage with the gradient, and climb back with a later micro-batch (a cycle across slow links or
     slow stages below, seconds: every action and both transfers between the two stages, that stage's included).
     """
-    gates = walk.gates if up or down else ()
-    if not descents and not gates:
+    gaps = walk.gaps if up or down else ()
+    if not descents and not gaps:
         return walk.path_s(forward, backward, excursion, weight)
+    transfer_s = (0.0, up, down)
     clock = 0.0
     forward_end: list[float] = []
     backward_end: list[float] = []
     forwards = backwards = 0  # the lists' lengths (this loop runs for most partial splits the search visits)
     climbs = excursion is not None
-    sent = 0.0  # the previous action's send
+    overlapped = 0.0
     for position, step in enumerate(walk.steps):
         previous_end = clock
-        gate = gates[position] if gates else 0
-        if gate == WAIT:
-            clock += sent
+        if gaps:
+            waited, received, after = gaps[position]
+            clock += max(transfer_s[waited], transfer_s[received])
+            overlapped = transfer_s[after]
         if step == -2:
             for turns, seconds in descents:
                 j = turns[forwards]
@@ -311,10 +319,8 @@ def one_chunk_path_s(
             clock += forward
             forward_end.append(clock)
             forwards += 1
-            following = up
         elif step == -3:
             clock += weight
-            following = 0.0
         else:
             if climbs and step >= 0:
                 back = forward_end[step] + excursion
@@ -323,10 +329,8 @@ def one_chunk_path_s(
             clock += backward
             backward_end.append(clock)
             backwards += 1
-            following = down
-        if gate == OVERLAP and previous_end + sent > clock:
-            clock = previous_end + sent
-        sent = following
+        if previous_end + overlapped > clock:
+            clock = previous_end + overlapped
     return clock
 
 

@@ -58,6 +58,7 @@ class _Path:
     head: list[float] = field(default_factory=lambda: [0.0])  # head[v]: forwards and sends before virtual stage v
     trip: list[float] = field(default_factory=lambda: [0.0])  # trip[v]: work and both sends of virtual stages < v
     down: list[float] = field(default_factory=lambda: [0.0])  # down[v]: backwards and sends of virtual stages < v
+    last_forward: list[float] = field(default_factory=list)  # when its last micro-batch's forward ends, at least
     tails: dict[int, float] = field(default_factory=dict)  # per complete stage: its exposed sync and optimizer step
 
     def start(self, v: int) -> int:
@@ -82,6 +83,7 @@ class _Child:
     tail: float | None
     drain: float
     bound: float
+    last_forward: float
 
     def push(self, path: _Path) -> None:
         path.forward.append(self.forward)
@@ -93,6 +95,7 @@ class _Child:
         path.head.append(path.head[-1] + self.forward + self.send)
         path.trip.append(path.trip[-1] + self.forward + self.backward + 2 * self.send)
         path.down.append(path.down[-1] + self.backward + self.send)
+        path.last_forward.append(self.last_forward)
         if self.tail is not None:
             path.tails[self.stage] = self.tail
 
@@ -108,6 +111,7 @@ class _Child:
             path.head,
             path.trip,
             path.down,
+            path.last_forward,
         ):
             values.pop()
 
@@ -212,6 +216,12 @@ class _Search:
         if chunks == 1:
             busy += c.shapes.walks[v].waits_s(forward, backward, send, path.send[v - 1] if v else 0.0)
         bound = max(bound, path.head[stage] + busy + (tail or 0.0))
+        last_forward = path.head[v] + m * forward  # its forwards follow its first one, and the last arrives after
+        if v:  # the one before sent it, and the link carried the m - 1 before it one at a time
+            sent = path.send[v - 1]
+            first = path.head[v - 1] + path.forward[v - 1]
+            last_forward = max(last_forward, max(path.last_forward[v - 1], first + (m - 1) * sent) + sent + forward)
+        bound = max(bound, last_forward + c.shapes.walks[v].closing * backward + drain)
         if v < self.virtual - 1:
             next_head = path.head[v] + forward + send
             bound = max(
@@ -221,7 +231,7 @@ class _Search:
             )
             if chunks > 1:
                 bound = max(bound, self._load_s(path, v, stage, work, next_head, stop))
-        return _Child(v, stage, start, stop, forward, backward, weight, send, tail, drain, bound)
+        return _Child(v, stage, start, stop, forward, backward, weight, send, tail, drain, bound, last_forward)
 
     def _chunk_costs(
         self, path: _Path, v: int, stage: int, start: int, stop: int
