@@ -65,7 +65,8 @@ class OneChunkWalk:
     1F1B post and wait on NCCL: (the previous action's send, waited for before it starts; the transfer into it,
     which starts only once the stage posts its recv after the previous action; the previous action's send, waited for
     before the stage moves on after it). Empty where sends are done before their data arrives (buffered backends).
-    `closing`: how many backwards (input passes) follow its last forward.
+    `gap_counts`: how many actions have each gaps, by their kind (forward or backward); `closing`: how many
+    backwards (input passes) follow its last forward, and `closing_gaps` their gap counts.
     """
 
     steps: tuple[int, ...]
@@ -80,6 +81,7 @@ class OneChunkWalk:
     gaps: tuple[tuple[int, int, int], ...] = ()
     gap_counts: tuple[tuple[tuple[int, int, int], bool, int], ...] = ()
     closing: int = 0
+    closing_gaps: tuple[tuple[tuple[int, int, int], bool, int], ...] = ()
 
     @classmethod
     def of(
@@ -125,7 +127,12 @@ class OneChunkWalk:
         ):
             form = "first"
         skipped = tuple(skipped_forwards), tuple(skipped_backwards)
-        counts = Counter((gap, action.backward) for gap, action in zip(gaps, order, strict=False) if any(gap))
+        last_forward = forward_at[-1] if forward_at else -1
+
+        def counted(first: int) -> tuple[tuple[tuple[int, int, int], bool, int], ...]:
+            counts = Counter((gaps[p], order[p].backward) for p in range(first, len(gaps)) if any(gaps[p]))
+            return tuple((gap, backward, count) for (gap, backward), count in counts.items())
+
         return cls(
             tuple(steps),
             turns,
@@ -136,15 +143,16 @@ class OneChunkWalk:
             tuple(skipped_weights),
             len(weight_at),
             tuple(gaps),
-            tuple((gap, backward, count) for (gap, backward), count in counts.items()),
-            len(backward_at) - bisect_right(backward_at, forward_at[-1]) if forward_at else len(backward_at),
+            counted(0),
+            len(backward_at) - bisect_right(backward_at, last_forward),
+            counted(last_forward + 1),
         )
 
-    def waits_s(self, forward: float, backward: float, up: float, down: float) -> float:
+    def waits_s(self, forward: float, backward: float, up: float, down: float, closing: bool = False) -> float:
         """At least how long the stage idles on transfers between its actions (`gaps`; `up`: a transfer to the next
-        virtual stage, `down`: to the previous)."""
+        virtual stage, `down`: to the previous); `closing`: only around the backwards after its last forward."""
         seconds, total = (0.0, up, down), 0.0
-        for (waited, received, overlapped), own_backward, count in self.gap_counts:
+        for (waited, received, overlapped), own_backward, count in self.closing_gaps if closing else self.gap_counts:
             gap = max(seconds[waited], seconds[received])
             total += count * (gap + max(seconds[overlapped] - gap - (backward if own_backward else forward), 0.0))
         return total

@@ -221,7 +221,9 @@ class _Search:
             sent = path.send[v - 1]
             first = path.head[v - 1] + path.forward[v - 1]
             last_forward = max(last_forward, max(path.last_forward[v - 1], first + (m - 1) * sent) + sent + forward)
-        bound = max(bound, last_forward + c.shapes.walks[v].closing * backward + drain)
+        walk = c.shapes.walks[v]
+        closing = walk.closing * backward + walk.waits_s(forward, backward, send, path.send[v - 1] if v else 0.0, True)
+        bound = max(bound, last_forward + closing + drain)
         if v < self.virtual - 1:
             next_head = path.head[v] + forward + send
             bound = max(
