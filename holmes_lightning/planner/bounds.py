@@ -457,27 +457,29 @@ class SuffixBounds:
                 stops = range(layers, layers + 1) if later == 0 else range(x + 1, layers - later + 1)
                 best_chain = inf
                 reach, relay = [], []  # per stop: (value's floor, stop, forward, backward, weight, send, climb, tail,
-                # past)
+                # past, the stage's floor)
                 for y in stops:
                     costs = cost(u, x, y)
                     if costs is None:
                         continue
                     forward, backward, send, tail, weight = costs
                     work = forward + backward
-                    floor = m * (work + weight) + walks[u].waits_s(forward, backward, send, 0.0)  # its path's least
+                    walk = walks[u]  # its path is at least its passes (the weight passes up to its last input pass)
+                    floor = m * work + walk.weights * weight + walk.waits_s(forward, backward, send, 0.0)
                     if floor + tail >= keep:
                         continue
                     if later == 0:
                         best_chain = min(best_chain, work)
-                        reach.append((floor + tail, y, forward, backward, weight, send, None, tail, 0.0))
-                        relay.append((floor, y, forward, backward, weight, send, None, 0.0, 0.0))
+                        reach.append((floor + tail, y, forward, backward, weight, send, None, tail, 0.0, floor))
+                        relay.append((floor, y, forward, backward, weight, send, None, 0.0, 0.0, floor))
                         continue
                     climb = 2 * send + chain_above[y]
                     best_chain = min(best_chain, work + climb)
                     past = forward + send + reach_above[y]
-                    reach.append((max(floor + tail, past), y, forward, backward, weight, send, climb, tail, past))
+                    least = max(floor + tail, past)
+                    reach.append((least, y, forward, backward, weight, send, climb, tail, past, floor))
                     past = work + 2 * send + relay_above[y]
-                    relay.append((max(floor, past), y, forward, backward, weight, send, climb, 0.0, past))
+                    relay.append((max(floor, past), y, forward, backward, weight, send, climb, 0.0, past, floor))
                 tables.chain[u][x] = best_chain
                 tables.reach[u][x] = tables._least(reach, walks[u], u, x)
                 tables.relay[u][x] = tables._least(relay, walks[u], u, x)
@@ -494,11 +496,12 @@ class SuffixBounds:
         The path (at least its floor, m x work) is computed only for ranges whose floor could still give the least.
         """
         best = math.inf
-        for floor, y, forward, backward, weight, send, climb, tail, past in sorted(options):
-            if floor >= best:
+        for least, y, forward, backward, weight, send, climb, tail, past, floor in sorted(options):
+            if least >= best:
                 break
             key = (u, x, y)
-            if key not in self.paths:  # the send down into it left out: it depends on the stage below
-                self.paths[key] = walk.path_s(forward, backward, climb, weight, send)
+            if key not in self.paths:  # past the first stage, the waits on transfers only in its floor: closed forms
+                path = walk.path_s(forward, backward, climb, weight, send if u == 0 else 0.0)
+                self.paths[key] = max(path, floor)
             best = min(best, max(self.paths[key] + tail, past))
         return best

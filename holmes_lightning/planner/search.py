@@ -1,8 +1,8 @@
 """The search over candidates (layout x micro-batch count x sharding) and their splits, bounded by the best so far.
 
 1. Every candidate's uniform split (or the requested split) is simulated; then the balanced split (least busy
-   busiest stage, `balanced_partition`) of each candidate whose one-pass bound is under the best so far, each
-   improved layer by layer (`descend`): a first incumbent near the optimum, cheaply.
+   busiest stage, `balanced_partition`) of each candidate whose one-pass bound is under the best so far, those
+   near the fastest improved layer by layer (`descend`): a first incumbent near the optimum, cheaply.
 2. A one-pass bound, then the least bound over all splits (`SuffixBounds`), cuts candidates that cannot beat it.
 3. The rest, lowest bound first, are split by branch and bound (`partition.search_partition`).
 
@@ -27,6 +27,7 @@ from holmes_lightning.planner.partition import (
     uniform_partition,
 )
 
+DESCEND_WITHIN = 0.15  # balanced splits this share slower than the fastest one are not descended
 TIE = 1e-9  # relative: steps this close count as equal, and the earlier preference wins
 
 
@@ -129,7 +130,10 @@ def search(
             if step is not None:
                 offer(preference, candidate, counts, step)
                 seeds.append((step, preference, candidate, counts))
+        seeds_best = min((seed[0] for seed in seeds), default=math.inf)
         for step, preference, candidate, counts in sorted(seeds, key=lambda seed: seed[:2]):
+            if step > seeds_best * (1 + DESCEND_WITHIN):
+                break
             offer(preference, candidate, *descend(candidate, counts, step))
     survivors = []
     for bound, preference, candidate in quick:
