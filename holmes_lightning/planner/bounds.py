@@ -50,6 +50,35 @@ def latest_turns(top_order: Sequence[Action], chunk: int, microbatches: int) -> 
 
 
 @dataclass(frozen=True)
+class GapCounts:
+    """`OneChunkWalk.gaps` counted, in a form quick to time: how many actions idle for a transfer up, for one down,
+    for the longer of the two (`either`), and the rest (with an overlapped send) one by one."""
+
+    up: int
+    down: int
+    either: int
+    overlapping: tuple[tuple[tuple[int, int, int], bool, int], ...]
+
+    @classmethod
+    def of(cls, gaps: Sequence[tuple[tuple[int, int, int], bool]]) -> GapCounts:
+        counts = Counter(gaps)
+        simple = Counter()
+        for ((waited, received, overlapped), _), count in counts.items():
+            if not overlapped:
+                simple[frozenset({waited, received} - {0})] += count
+        overlapping = tuple((gap, backward, count) for (gap, backward), count in counts.items() if gap[2])
+        return cls(simple[frozenset({UP})], simple[frozenset({DOWN})], simple[frozenset({UP, DOWN})], overlapping)
+
+    def seconds(self, forward: float, backward: float, up: float, down: float) -> float:
+        total = self.up * up + self.down * down + self.either * max(up, down)
+        transfer_s = (0.0, up, down)
+        for (waited, received, overlapped), own_backward, count in self.overlapping:
+            gap = max(transfer_s[waited], transfer_s[received])
+            total += count * (gap + max(transfer_s[overlapped] - gap - (backward if own_backward else forward), 0.0))
+        return total
+
+
+@dataclass(frozen=True)
 class OneChunkWalk:
     """A one-chunk stage's actions, for the longest path through them with excursions (`one_chunk_path_s`).
 
@@ -79,9 +108,9 @@ class OneChunkWalk:
     skipped_weights: tuple[int, ...] = ()
     weights: int = 0
     gaps: tuple[tuple[int, int, int], ...] = ()
-    gap_counts: tuple[tuple[tuple[int, int, int], bool, int], ...] = ()
+    gap_counts: GapCounts = field(default_factory=lambda: GapCounts.of([]))
     closing: int = 0
-    closing_gaps: tuple[tuple[tuple[int, int, int], bool, int], ...] = ()
+    closing_gaps: GapCounts = field(default_factory=lambda: GapCounts.of([]))
 
     @classmethod
     def of(
@@ -129,9 +158,8 @@ class OneChunkWalk:
         skipped = tuple(skipped_forwards), tuple(skipped_backwards)
         last_forward = forward_at[-1] if forward_at else -1
 
-        def counted(first: int) -> tuple[tuple[tuple[int, int, int], bool, int], ...]:
-            counts = Counter((gaps[p], order[p].backward) for p in range(first, len(gaps)) if any(gaps[p]))
-            return tuple((gap, backward, count) for (gap, backward), count in counts.items())
+        def counted(first: int) -> GapCounts:
+            return GapCounts.of([(gaps[p], order[p].backward) for p in range(first, len(gaps)) if any(gaps[p])])
 
         return cls(
             tuple(steps),
@@ -151,11 +179,7 @@ class OneChunkWalk:
     def waits_s(self, forward: float, backward: float, up: float, down: float, closing: bool = False) -> float:
         """At least how long the stage idles on transfers between its actions (`gaps`; `up`: a transfer to the next
         virtual stage, `down`: to the previous); `closing`: only around the backwards after its last forward."""
-        seconds, total = (0.0, up, down), 0.0
-        for (waited, received, overlapped), own_backward, count in self.closing_gaps if closing else self.gap_counts:
-            gap = max(seconds[waited], seconds[received])
-            total += count * (gap + max(seconds[overlapped] - gap - (backward if own_backward else forward), 0.0))
-        return total
+        return (self.closing_gaps if closing else self.gap_counts).seconds(forward, backward, up, down)
 
     def path_s(
         self,

@@ -1,8 +1,8 @@
 """The search over candidates (layout x micro-batch count x sharding) and their splits, bounded by the best so far.
 
 1. Every candidate's uniform split (or the requested split) is simulated; then the balanced split (least busy
-   busiest stage, `balanced_partition`) of each candidate whose one-pass bound is under the best so far, those
-   near the fastest improved layer by layer (`descend`): a first incumbent near the optimum, cheaply.
+   busiest stage, `balanced_partition`) of each candidate with many splits whose one-pass bound is under the best so
+   far, those near the fastest improved layer by layer (`descend`): a first incumbent near the optimum, cheaply.
 2. A one-pass bound, then the least bound over all splits (`SuffixBounds`), cuts candidates that cannot beat it.
 3. The rest, lowest bound first, are split by branch and bound (`partition.search_partition`).
 
@@ -27,6 +27,7 @@ from holmes_lightning.planner.partition import (
     uniform_partition,
 )
 
+SEEDED_SPLITS = 100_000  # candidates with fewer splits than this are searched from their uniform split alone
 DESCEND_WITHIN = 0.15  # balanced splits this share slower than the fastest one are not descended
 TIE = 1e-9  # relative: steps this close count as equal, and the earlier preference wins
 
@@ -125,6 +126,8 @@ def search(
         for bound, preference, candidate in quick:
             if best is not None and bound >= best.step_s:
                 break
+            if math.comb(candidate.num_layers - 1, candidate.virtual - 1) < SEEDED_SPLITS:
+                continue
             counts = balanced_partition(candidate)
             step = candidate.step_s(counts)
             if step is not None:
