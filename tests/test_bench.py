@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from holmes_lightning.bench import overhead
+from holmes_lightning.bench import overhead, planning
 from holmes_lightning.bench.calibrate import LabCalibration, calibrate
 from holmes_lightning.bench.config import VARIANTS, ActivationsJob, BenchSettings
 from holmes_lightning.bench.load import CpuClock
@@ -262,3 +262,18 @@ def test_the_memory_bench_measures_checkpointing_lower_with_the_same_losses(tmp_
     written = json.loads((tmp_path / "memory.json").read_text())
     assert [row["checkpointing"] for row in written["rows"]] == ["off"] * 4 + ["full"] * 4
     assert "full / off, model memory per rank: measured" in table and (tmp_path / "memory.png").stat().st_size > 10_000
+
+
+def test_the_planning_bench_sites_differ_by_link_and_plan(tmp_path):
+    """bench.planning's eight sites: each pair on its own WAN link (its configured Gb/s as line rate, never above
+    either site's NIC); the small sizes plan and write their table and chart."""
+    sites = next(shape for shape in planning.SHAPES if shape.pairs)
+    topology = sites.topology(sites.smallest)
+    per_site = sites.smallest // 8
+    assert len({rank // per_site for rank in range(topology.world_size)}) == 8
+    for i, j, gbps in sites.pairs:
+        nics = sites.clusters[i][1], sites.clusters[j][1]
+        assert topology.link(i * per_site, j * per_site).line_gbps == min(gbps, *nics)
+    timings = planning.main([str(tmp_path), "--repeats", "1", "--max-gpus", "64"])
+    assert [t.gpus for t in timings] == [64] * (len(planning.SHAPES) - 1)
+    assert (tmp_path / "planning.png").stat().st_size > 0
