@@ -9,6 +9,8 @@ and after the action it waits for (plus the transfer between them). Any path is 
   every later virtual stage and come back down to a backward (`excursion`), and move between its own chunks through
   the virtual stages between them (`up`, `down`). These are the paths that make 1F1B's round trips and GPipe's
   forward and backward phases count.
+- On NCCL, what a stage of GPipe or 1F1B idles for between its actions (`OneChunkWalk.gaps`): the sends it waits
+  for, and each transfer into it, which starts only once the stage posts its recv after the action before.
 - For stages not assigned yet, minimum-over-splits tables (`SuffixBounds`) of the same paths.
 """
 

@@ -6,8 +6,11 @@ Virtual stages are assigned layers front to back. A partial split's lower bound 
   stage the other chunks' actions are left out, which only shortens it): the climb above it bounded by the least
   round trip through the layers left, cycles down to the virtual stages just below, then the way down;
 - per stage whose chunks are all assigned, its path with the hops between its chunks (`bounds.stage_path_s`);
-- every action of a stage after its first forward; with several chunks per stage, the layers left shared out over
-  the stages that still get some (`bounds.water_level_s`);
+- every action of a stage after its first forward, and on NCCL the transfers GPipe and 1F1B idle for between them
+  (`OneChunkWalk.gaps`, in the paths too); with several chunks per stage, the layers left shared out over the
+  stages that still get some (`bounds.water_level_s`);
+- per assigned virtual stage, when its last forward ends at least (after the previous virtual stage's, and after
+  the link carried the m - 1 before it one at a time), then the backwards after it in its order and its drain;
 - the suffix tables' bound for the layers left (`bounds.SuffixBounds`).
 
 A virtual stage's backward is costed at the checkpointing its stage needs for the chunks assigned so far
@@ -212,17 +215,14 @@ class _Search:
         else:
             tail = None
         drain = ends if v == 0 else max(ends, path.drains[v - 1] + path.send[v - 1] + path.backward[v - 1])
-        busy = m * work  # all its actions follow its first one, and the waits on its sends between them
-        if chunks == 1:
-            busy += c.shapes.walks[v].waits_s(forward, backward, send, path.send[v - 1] if v else 0.0)
+        walk, below = c.shapes.walks[v], path.send[v - 1] if v else 0.0  # (its gaps: one chunk per stage only)
+        busy = m * work + walk.waits_s(forward, backward, send, below)  # after its first action, and what it idles for
         bound = max(bound, path.head[stage] + busy + (tail or 0.0))
         last_forward = path.head[v] + m * forward  # its forwards follow its first one, and the last arrives after
         if v:  # the one before sent it, and the link carried the m - 1 before it one at a time
-            sent = path.send[v - 1]
             first = path.head[v - 1] + path.forward[v - 1]
-            last_forward = max(last_forward, max(path.last_forward[v - 1], first + (m - 1) * sent) + sent + forward)
-        walk = c.shapes.walks[v]
-        closing = walk.closing * backward + walk.waits_s(forward, backward, send, path.send[v - 1] if v else 0.0, True)
+            last_forward = max(last_forward, max(path.last_forward[v - 1], first + (m - 1) * below) + below + forward)
+        closing = walk.closing * backward + walk.waits_s(forward, backward, send, below, closing=True)
         bound = max(bound, last_forward + closing + drain)
         if v < self.virtual - 1:
             next_head = path.head[v] + forward + send
