@@ -479,6 +479,7 @@ class SuffixBounds:
             later = virtual - 1 - u
             chain_above, reach_above = tables.chain[u + 1], tables.reach[u + 1]
             relay_above = tables.relay[u + 1]
+            walk = walks[u]  # its path is at least its passes (the weight passes up to its last input pass)
             for x in range(u, layers - later):
                 stops = range(layers, layers + 1) if later == 0 else range(x + 1, layers - later + 1)
                 best_chain = inf
@@ -490,7 +491,6 @@ class SuffixBounds:
                         continue
                     forward, backward, send, tail, weight = costs
                     work = forward + backward
-                    walk = walks[u]  # its path is at least its passes (the weight passes up to its last input pass)
                     floor = m * work + walk.weights * weight + walk.waits_s(forward, backward, send, 0.0)
                     if floor + tail >= keep:
                         continue
@@ -507,8 +507,8 @@ class SuffixBounds:
                     past = work + 2 * send + relay_above[y]
                     relay.append((max(floor, past), y, forward, backward, weight, send, climb, 0.0, past, floor))
                 tables.chain[u][x] = best_chain
-                tables.reach[u][x] = tables._least(reach, walks[u], u, x)
-                tables.relay[u][x] = tables._least(relay, walks[u], u, x)
+                tables.reach[u][x] = tables._least(reach, walk, u, x)
+                tables.relay[u][x] = tables._least(relay, walk, u, x)
         return tables
 
     @property
