@@ -90,12 +90,12 @@ signal.pause()
 class TinyMLP(L.LightningModule):
     """An MLP classifier as pipeline layers; the same code trains on one device or as pipeline stages."""
 
-    def __init__(self, lr: float = 0.02, step_size: int = 5) -> None:
+    def __init__(self, lr: float = 0.02, step_size: int = 5, widths: tuple[int, ...] = WIDTHS) -> None:
         super().__init__()
         self.save_hyperparameters()
-        pairs = zip(WIDTHS[:-1], WIDTHS[1:], strict=True)
+        pairs = zip(widths[:-1], widths[1:], strict=True)
         self.layers = nn.ModuleList(nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in pairs)
-        self.layers[-1] = nn.Linear(WIDTHS[-2], CLASSES)
+        self.layers[-1] = nn.Linear(widths[-2], CLASSES)
         self.example_input_array = torch.zeros(2, FEATURES)
 
     def pipeline_layers(self) -> list[nn.Module]:

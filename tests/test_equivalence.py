@@ -1,5 +1,5 @@
-"""HolmesStrategy pp=2 x dp=2 and pp=4 x dp=1 (4 gloo processes; a zero-bubble pipeline also pp=4 x dp=2 over
-three_cluster's 8) train exactly like one process on the same global batch.
+"""HolmesStrategy pp=2 x dp=2 and pp=4 x dp=1 (4 gloo processes; the zero-bubble and V pipelines also pp=4 x dp=2
+over three_cluster's 8) train exactly like one process on the same global batch.
 
 One launch runs every case in turn; each case's per-step losses must match single-process training within 1e-4
 relative (fp32), with AdamW, a step LR schedule and gradient clipping that is active (so the clipping norm has to
@@ -13,7 +13,7 @@ from typing import Any
 
 import lightning as L
 import pytest
-from distributed import LossRecorder, TinyMLP, run_ranks, tiny_loader
+from distributed import WIDTHS, LossRecorder, TinyMLP, run_ranks, tiny_loader
 
 SEED, STEPS, GLOBAL_BATCH, MICROBATCHES, DP = 7, 20, 16, 4, 2
 VAL_SAMPLES, VAL_BATCHES, CLIP = 64, 2, 0.3
@@ -34,6 +34,9 @@ CASES: dict[str, dict[str, Any]] = {
         "chunks_per_stage": 1,
         "checkpointing": "full",
     },
+    # V placement: stage s holds virtual stages s and 3 - s, the turn at stage 1 handed over on its rank
+    "zbv_zero_bubble": {"schedule": "ZBVZeroBubble", "partition": "auto"},
+    "dual_pipe_v": {"schedule": "DualPipeV", "partition": "uniform"},
     "1f1b_replicated_accumulate_2": {"schedule": "1F1B", "partition": "auto", "sharding": "none", "accumulate": 2},
     # each cluster's two stages pass activations in a group of their own on the fabric, the middle hop on TCP
     "1f1b_pp4_fabric_hops": {"schedule": "1F1B", "partition": "uniform", "pp": 4, "dp": 1},
@@ -68,7 +71,7 @@ def train_cases(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
     results = {}
     for name, case in cases.items():
         L.seed_everything(SEED)
-        model, recorder = TinyMLP(), LossRecorder()
+        model, recorder = TinyMLP(widths=case.get("widths", WIDTHS)), LossRecorder()
         accumulate = case.get("accumulate", 1)
         strategy = HolmesStrategy(
             cluster=case.get("cluster", "two_cluster_mixed"),
@@ -80,7 +83,7 @@ def train_cases(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
             activation_checkpointing=case.get("checkpointing", "off"),
             options=PlanOptions(chunks_per_stage=case.get("chunks_per_stage", 2)),
             global_batch=GLOBAL_BATCH,
-            microbatches=MICROBATCHES,
+            microbatches=case.get("microbatches", MICROBATCHES),
             timeout=120,
             calibrate=False,  # plan from FLOPs: timed on a CPU, layers this small cost mostly their fixed overhead
         )
@@ -112,9 +115,9 @@ def train_cases(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 @cache
-def single_process(accumulate: int = 1, validate: bool = False) -> dict[str, Any]:
+def single_process(accumulate: int = 1, validate: bool = False, widths: tuple[int, ...] = WIDTHS) -> dict[str, Any]:
     L.seed_everything(SEED)
-    model, recorder = TinyMLP(), LossRecorder()
+    model, recorder = TinyMLP(widths=widths), LossRecorder()
     trainer = _trainer(STEPS // accumulate, accumulate, validate, devices=1, callbacks=[recorder])
     loader = tiny_loader(STEPS * GLOBAL_BATCH, GLOBAL_BATCH, single_process_seed=SEED)
     val_loader = tiny_loader(VAL_SAMPLES, GLOBAL_BATCH, shuffle=False)
@@ -129,24 +132,30 @@ def ranks() -> list[dict[str, Any]]:
     return run_ranks("test_equivalence:train_cases", cases=CASES, timeout_s=600)
 
 
-THREE_CLUSTERS = {  # 8 ranks on InfiniBand, RoCE and Ethernet: pp=4 x dp=2, ZB1P's stages across all three
-    "zero_bubble_three_clusters": {
-        "schedule": "InterleavedZeroBubble",
-        "partition": "auto",
-        "pp": 4,
-        "chunks_per_stage": 1,
-        "cluster": "three_cluster",
-        "nodes": 8,
-    }
+DEEP = (*WIDTHS[:-1], 16, 16, WIDTHS[-1])  # 8 layers: V placement over 4 stages needs 8 virtual stages
+ON_THREE = {"partition": "auto", "pp": 4, "cluster": "three_cluster", "nodes": 8}
+THREE_CLUSTERS = {  # 8 ranks on InfiniBand, RoCE and Ethernet: pp=4 x dp=2, the stages across all three
+    "zero_bubble_three_clusters": {"schedule": "InterleavedZeroBubble", "chunks_per_stage": 1, **ON_THREE},
+    "zbv_three_clusters": {"schedule": "ZBVZeroBubble", "widths": DEEP, **ON_THREE},
+    "dual_pipe_v_three_clusters": {
+        "schedule": "DualPipeV",
+        "widths": DEEP,
+        **ON_THREE,
+        "partition": "uniform",
+        "microbatches": 8,
+    },
 }
 
 
 @pytest.mark.slow
-def test_a_zero_bubble_pipeline_over_three_clusters_matches_single_process() -> None:
+def test_zero_bubble_and_v_pipelines_over_three_clusters_match_single_process() -> None:
+    """ZB1P, ZBV and DualPipeV (8 micro-batches: DualPipeV needs one per virtual stage) over three fabrics."""
     ranks = run_ranks("test_equivalence:train_cases", cluster="three_cluster", cases=THREE_CLUSTERS, timeout_s=600)
-    reference = single_process()["losses"]
-    for rank, result in enumerate(ranks):
-        assert result["zero_bubble_three_clusters"]["losses"] == pytest.approx(reference, rel=1e-4), f"rank {rank}"
+    for name, case in THREE_CLUSTERS.items():
+        reference = single_process(widths=case.get("widths", WIDTHS))["losses"]
+        for rank, result in enumerate(ranks):
+            assert result[name]["losses"] == pytest.approx(reference, rel=1e-4), f"{name}, rank {rank}"
+            assert len(result[name]["chunks"][0]) == (2 if name != "zero_bubble_three_clusters" else 1)
 
 
 @pytest.mark.slow
@@ -167,6 +176,7 @@ def test_partitions_run_as_planned_or_given(ranks: list[dict[str, Any]]) -> None
     assert [len(chunks) for chunks in ranks[0]["interleaved_1f1b"]["chunks"]] == [2, 2]
     assert [len(chunks) for chunks in ranks[0]["interleaved_zero_bubble"]["chunks"]] == [2, 2]
     assert ranks[0]["zero_bubble_pp4_full_checkpointing"]["chunks"] == [[[0, 2]], [[2, 4]], [[4, 5]], [[5, 6]]]
+    assert ranks[0]["dual_pipe_v"]["chunks"] == [[[0, 2], [5, 6]], [[2, 4], [4, 5]]]  # V: stage 0 first and last
 
 
 @pytest.mark.slow

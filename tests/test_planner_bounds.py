@@ -18,6 +18,7 @@ from holmes_lightning.planner.bounds import (
     water_level_s,
 )
 from holmes_lightning.planner.options import MODELLED_SCHEDULES
+from holmes_lightning.planner.plan_types import locate_virtual, virtual_stage
 from holmes_lightning.planner.schedules import WEIGHT, microbatch_problem
 
 seconds = st.floats(0.0, 5.0, allow_nan=False)
@@ -30,8 +31,9 @@ def pipelines(draw):
     schedule = draw(st.sampled_from(MODELLED_SCHEDULES))
     pp, m = draw(st.integers(1, 6)), draw(st.integers(1, 12))
     chunks = draw(st.integers(1 if schedule.splits_backward else 2, 3)) if schedule.interleaved else 1
+    chunks = 2 if schedule.v_shaped else chunks
     if microbatch_problem(schedule, pp, m):
-        m = max(m, pp) if schedule == "1F1B" else pp
+        m = {"1F1B": max(m, pp), "DualPipeV": max(m, 2 * pp)}.get(schedule.value, pp)
     virtual = pp * chunks
     forward = [draw(st.floats(0.01, 3.0)) for _ in range(virtual)]
     backward = [f * draw(st.floats(0.5, 3.0)) for f in forward]
@@ -48,7 +50,10 @@ def test_every_path_bound_stays_under_the_simulated_step(pipeline, backend):
     waits on its own sends), with their heads and drains, against the replay of the same step (gloo: sends done for
     their senders at the rendezvous)."""
     schedule, pp, m, chunks, forward, full, send, tails, weight = pipeline
-    stages = virtual_stages(pp, forward=forward, backward=full, sends=send, tails=tails, weight=weight)
+    v_shaped = schedule.v_shaped
+    stages = virtual_stages(
+        pp, forward=forward, backward=full, sends=send, tails=tails, weight=weight, v_shaped=v_shaped
+    )
     step = simulate(stages, schedule, m, backend=backend).total_s
     virtual = pp * chunks
     shapes = PathShapes.of(schedule, pp, m, chunks, gated=backend == "nccl")
@@ -62,7 +67,7 @@ def test_every_path_bound_stays_under_the_simulated_step(pipeline, backend):
     down = list(itertools.accumulate((b + c for b, c in zip(backward, send, strict=True)), initial=0.0))
     drains = []
     for v in range(virtual):
-        stage, chunk = v % pp, v // pp
+        stage, chunk = locate_virtual(v, pp, v_shaped=v_shaped)
         ends = down[v] - down[stage] + tails[stage] if chunk == chunks - 1 else 0.0
         drains.append(ends if v == 0 else max(ends, drains[v - 1] + send[v - 1] + backward[v - 1]))
     for v in range(virtual):
@@ -78,17 +83,17 @@ def test_every_path_bound_stays_under_the_simulated_step(pipeline, backend):
             waits = walk.waits_s(forward[v], backward[v], send[v], below)
             assert head[v] + work + waits + tails[v] <= step * (1 + 1e-9)
     for s in range(pp):
-        own = [s + j * pp for j in range(chunks)]
-        top = own[-1]
-        hops = [sum(send[w] for w in range(u, u + pp)) for u in own[:-1]]
+        own = [virtual_stage(s, j, pp, v_shaped=v_shaped) for j in range(chunks)]
+        top, pairs = own[-1], list(itertools.pairwise(own))  # each chunk and the next, through the stages between
+        hops = [sum(send[w] for w in range(u, t)) for u, t in pairs]
         path = stage_path_s(
             order=shapes.orders[s],
             forward=[forward[u] for u in own],
             backward=[backward[u] for u in own],
             excursion=None if top == virtual - 1 else 2 * send[top] + trip[virtual] - trip[top + 1],
             turns=shapes.turns,
-            up=[h + sum(forward[w] for w in range(u + 1, u + pp)) for h, u in zip(hops, own, strict=False)],
-            down=[h + sum(backward[w] for w in range(u + 1, u + pp)) for h, u in zip(hops, own, strict=False)],
+            up=[h + sum(forward[w] for w in range(u + 1, t)) for h, (u, t) in zip(hops, pairs, strict=True)],
+            down=[h + sum(backward[w] for w in range(u + 1, t)) for h, (u, t) in zip(hops, pairs, strict=True)],
             weight=[weight[u] for u in own],
         )
         trailing = sum(weight[own[j]] for j in shapes.trailing[s])
@@ -108,7 +113,7 @@ def test_every_path_bound_stays_under_the_simulated_step(pipeline, backend):
 def test_the_closed_forms_of_a_one_chunk_path_equal_the_walk(schedule, pp, m, forward, backward, climb, data):
     """1F1B's and GPipe's closed forms against the best set of excursions found by walking every backward, and both
     against the action-by-action longest path."""
-    if microbatch_problem(schedule, pp, m):
+    if microbatch_problem(schedule, pp, m) or schedule.v_shaped:  # (V schedules run two chunks)
         return
     orders = [[a for a in order if a.part != WEIGHT] for order in PathShapes.of(schedule, pp, m, 1).orders]
     stage = data.draw(st.integers(0, pp - 1))

@@ -55,7 +55,7 @@ def exhaustive_plans(
     topology: Topology, profile: ModelProfile, batch: BatchSettings, options: PlanOptions, costs: MachineCosts
 ) -> list[tuple[float, Candidate, tuple[int, ...]]]:
     """(simulated step, candidate, split) of everything the planner can express for this request that fits."""
-    chunks = options.chunks_per_stage if options.schedule == "Interleaved1F1B" else 1
+    chunks = options.chunks
     limit = options.memory_limit_gb * GB if options.memory_limit_gb is not None else None
     checkpointing = checkpointing_choices(options, limited=limit is not None)
     plans = []
@@ -141,7 +141,7 @@ def small_models(draw, max_layers: int, min_layers: int = 2):
 
 @st.composite
 def requests(draw):
-    schedule = draw(st.sampled_from(["1F1B", "GPipe", "Interleaved1F1B"]))
+    schedule = draw(st.sampled_from(["1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"]))
     options = PlanOptions(
         schedule=schedule,
         backend=draw(st.sampled_from(["nccl", "gloo"])),
@@ -189,7 +189,9 @@ def test_no_expressible_plan_is_faster_than_the_returned_one(topology, request, 
 @given(
     topology=clusters(max_clusters=3, max_nodes=3, devices=(1,)),
     model=small_models(max_layers=9),
-    schedule=st.sampled_from(["1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble"]),
+    schedule=st.sampled_from(
+        ["1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
+    ),
     per_rank=st.sampled_from([1, 3, 4, 8, 12]),
     data=st.data(),
 )
@@ -197,7 +199,7 @@ def test_the_split_search_finds_the_best_of_every_split(topology, model, schedul
     """One layout at a time (random order, DP size, micro-batches, sharding): the branch and bound vs every split;
     the seed's balanced split and its descent are whole splits, no faster than the best."""
     chunks = data.draw(st.sampled_from([1, 2])) if schedule == "InterleavedZeroBubble" else 1
-    chunks = 2 if schedule == "Interleaved1F1B" else chunks
+    chunks = 2 if schedule in ("Interleaved1F1B", "ZBVZeroBubble", "DualPipeV") else chunks
     dps = [d for d in dp_degrees(topology) if topology.world_size // d * chunks <= model.num_layers]
     if not dps:
         return

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from holmes_lightning.planner import MachineCosts, StagePlan, simulate
 from holmes_lightning.planner.cost import GLOO_EARLY_BYTES, CostModel
+from holmes_lightning.planner.plan_types import virtual_stage
 from holmes_lightning.planner.schedules import held_at_peaks, microbatch_problem, peak_stash, stage_actions
 from holmes_lightning.planner.simulate import Timeline
 from holmes_lightning.topology import NICKind, Topology
@@ -26,10 +27,11 @@ def stages(forward, backward, sends=None, syncs=None, chunks=1):
     )
 
 
-def virtual_stages(pp, *, forward, backward, sends, tails, weight=None):
-    """`pp` stages with per virtual stage seconds (virtual stage v on stage v % pp; `weight`: of each backward, the
-    weight pass of a zero-bubble schedule) and per-stage exposed syncs."""
+def virtual_stages(pp, *, forward, backward, sends, tails, weight=None, v_shaped=False):
+    """`pp` stages with per virtual stage seconds (virtual stage `virtual_stage(s, j, pp)` on stage s; `weight`: of
+    each backward, the weight pass of a zero-bubble schedule) and per-stage exposed syncs."""
     chunks = len(forward) // pp
+    own = [[virtual_stage(s, j, pp, v_shaped=v_shaped) for j in range(chunks)] for s in range(pp)]
     return [
         StagePlan(
             index=s,
@@ -37,10 +39,10 @@ def virtual_stages(pp, *, forward, backward, sends, tails, weight=None):
             chunks=tuple((0, 1) for _ in range(chunks)),
             clusters=("A",),
             nics=(NICKind.infiniband,),
-            forward_s=tuple(forward[s + j * pp] for j in range(chunks)),
-            backward_s=tuple(backward[s + j * pp] for j in range(chunks)),
-            weight_s=tuple(weight[s + j * pp] for j in range(chunks)) if weight else (),
-            send_s=tuple(sends[s + j * pp] for j in range(chunks)),
+            forward_s=tuple(forward[v] for v in own[s]),
+            backward_s=tuple(backward[v] for v in own[s]),
+            weight_s=tuple(weight[v] for v in own[s]) if weight else (),
+            send_s=tuple(sends[v] for v in own[s]),
             exposed_sync_s=tails[s],
         )
         for s in range(pp)

@@ -15,6 +15,8 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
+from holmes_lightning.planner.options import Schedule
+from holmes_lightning.planner.plan_types import virtual_stage
 from holmes_lightning.planner.schedules import FULL, INPUT, WEIGHT, stage_actions
 
 WORLD = 3
@@ -40,6 +42,12 @@ CASES = [  # (schedule, pp, micro-batches, chunks per rank)
     ("InterleavedZeroBubble", 3, 6, 2),
     ("InterleavedZeroBubble", 3, 8, 2),
     ("InterleavedZeroBubble", 3, 3, 1),  # one chunk per rank: ZB1P
+    ("ZBVZeroBubble", 2, 4, 2),
+    ("ZBVZeroBubble", 3, 2, 2),  # fewer micro-batches than 2 pp - 1: torch drops the missing ones' actions
+    ("ZBVZeroBubble", 3, 7, 2),
+    ("DualPipeV", 2, 4, 2),
+    ("DualPipeV", 3, 6, 2),
+    ("DualPipeV", 3, 9, 2),
 ]
 
 
@@ -78,7 +86,8 @@ def run_orders(cases: list[list]) -> list[list[tuple[bool, int, int, str]] | Non
         stages = [
             RecordingStage(
                 nn.Linear(4, 4),
-                stage_index=chunk * pp + rank,  # loop placement: a rank holds stages rank, rank + pp, ...
+                # loop placement: a rank holds stages rank, rank + pp, ...; V placement: rank and 2 pp - 1 - rank
+                stage_index=virtual_stage(rank, chunk, pp, v_shaped=Schedule(schedule).v_shaped),
                 num_stages=pp * chunks,
                 device=torch.device("cpu"),
                 group=groups[pp],
@@ -94,7 +103,8 @@ def run_orders(cases: list[list]) -> list[list[tuple[bool, int, int, str]] | Non
         else:
             runner = schedule_class(stages, n_microbatches=microbatches, loss_fn=loss)
         batch = torch.randn(2 * microbatches, 4)
-        runner.step(batch if rank == 0 else None, target=batch if rank == pp - 1 else None)
+        last = any(stage.is_last for stage in stages)
+        runner.step(batch if rank == 0 else None, target=batch if last else None)
         orders.append(record)
     dist.destroy_process_group()
     return orders

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from functools import cache
 
 from holmes_lightning.planner.options import Schedule
+from holmes_lightning.planner.plan_types import locate_virtual
 from holmes_lightning.planner.schedules import WEIGHT, Action
 from holmes_lightning.planner.simulate import Replay
 
@@ -256,7 +257,8 @@ class PathShapes:
             trailing.append(tuple(action.chunk for action in order[end:]))
         chunk_orders = []  # each up to its last input pass: the weight passes after it delay no gradient
         for virtual in range(pp * chunks):
-            own = [action for action in orders[virtual % pp] if action.chunk == virtual // pp]
+            stage, chunk = locate_virtual(virtual, pp, v_shaped=Schedule(schedule).v_shaped)
+            own = [action for action in orders[stage] if action.chunk == chunk]
             chunk_orders.append(own[: _through_last_pass(own)])
         turns = tuple(latest_turns(chunk_orders[-1], chunks - 1, microbatches))
         return cls(

@@ -14,6 +14,7 @@ from holmes_lightning.planner.profile import ModelProfile
 from holmes_lightning.planner.schedules import held_at_peaks, peak_stash
 from holmes_lightning.planner.sharing import CoreSharing
 from holmes_lightning.planner.simulate import BUFFERED_BACKENDS, Replay, simulate
+from holmes_lightning.topology import Link
 
 GB = 1e9
 
@@ -34,7 +35,9 @@ class RangeCosts:
 class Candidate:
     """Seconds and bytes of any layer range on any stage of `layout` (prefix sums: two lookups per range).
 
-    Virtual stage v (`chunks` per stage, interleaved) sits on stage v % pp; counts are layers per virtual stage.
+    Virtual stage v (`chunks` per stage) sits on stage `located[v][0]`: v % pp in loop placement (interleaved), or
+    the V's (`Schedule.v_shaped`); `own[s]`: the virtual stages of stage s by chunk. Counts are layers per virtual
+    stage.
     `memory_limit`: bytes per device, None = unchecked. `shapes`: what the bounds need of the schedule's orders.
     `checkpointing`: the activation checkpointing a stage may run (resolved: off, selective, full), cheapest first;
     each stage runs the first whose memory fits `memory_limit` (its level). Checkpointed layers keep only their input
@@ -59,6 +62,9 @@ class Candidate:
         self.schedule = Schedule(self.schedule)
         pp, layers, mb = self.layout.pp, self.cost.profile.layers, self.microbatch_size
         self.virtual = pp * self.chunks
+        v_shaped = self.schedule.v_shaped
+        self.located = [locate_virtual(v, pp, v_shaped=v_shaped) for v in range(self.virtual)]
+        self.own = [virtual_stages(s, self.chunks, pp, v_shaped=v_shaped) for s in range(pp)]
         self.replay = Replay.of(self.schedule, pp, self.microbatches, self.chunks)
         cores = self.cost.machine.shared_cores
         self.sharing = None if cores is None else CoreSharing(cores, self.layout.dp)
@@ -105,7 +111,16 @@ class Candidate:
         self._activation = [layer.activation_bytes * mb for layer in layers]
         self._least_activation = min(self._activation[:-1], default=0.0)  # a stage never ends at the last layer but one
         # the link out of each virtual stage to the next (None: the last sends nothing)
-        self._out_links = [hardware.send_links[locate_virtual(v, pp)[0]] for v in range(self.virtual - 1)] + [None]
+        self._out_links = [self._hop_link(v) for v in range(self.virtual - 1)] + [None]
+
+    def _hop_link(self, virtual_stage: int) -> Link | None:
+        """The link from a virtual stage to the next: the one between their stages, which links hold in pipeline order
+        (`send_links[s]`: stage s to s + 1, the last to the first); None at V placement's turn, where both chunks are
+        on one rank and torch's schedule runtime hands the activation over locally."""
+        sender, receiver = self.located[virtual_stage][0], self.located[virtual_stage + 1][0]
+        if sender == receiver and self.schedule.v_shaped:
+            return None
+        return self.hardware.send_links[sender if receiver == (sender + 1) % self.layout.pp else receiver]
 
     @property
     def num_layers(self) -> int:
@@ -147,7 +162,8 @@ class Candidate:
 
     def message_cpu_s(self, virtual_stage: int, *, backward: bool = False) -> float:
         """The CPU of the message a virtual stage's forward (to the next) or backward (to the previous) sends."""
-        sends = virtual_stage > 0 if backward else virtual_stage < self.virtual - 1
+        link = (self._out_links[virtual_stage - 1] if virtual_stage > 0 else None) if backward else None
+        sends = link is not None if backward else self._out_links[virtual_stage] is not None
         return self.cost.pass_message_cpu_s if sends else 0.0
 
     def early_s(self, virtual_stage: int, stop: int) -> float:
@@ -239,8 +255,8 @@ class Candidate:
         `range_costs` by what they depend on, which candidates of one cost model and micro-batch size may share
         whatever their memory ceiling (kept with the range's memory, the ceiling applied here).
         """
-        stage, chunk = locate_virtual(virtual_stage, self.layout.pp)
-        key = (self._stage_ids[stage], chunk, virtual_stage == self.virtual - 1, start, stop)
+        stage, chunk = self.located[virtual_stage]
+        key = (self._stage_ids[stage], chunk, self._out_links[virtual_stage], start, stop)
         values = self.range_costs.values
         if key not in values:
             values[key] = self._range_cost(virtual_stage, start, stop)
@@ -252,7 +268,7 @@ class Candidate:
     def _range_cost(
         self, virtual_stage: int, start: int, stop: int
     ) -> tuple[tuple[float, float, float, float, float], float] | None:
-        stage, chunk = locate_virtual(virtual_stage, self.layout.pp)
+        stage, chunk = self.located[virtual_stage]
         params = self.param_bytes(start, stop)
         ranges: list[tuple[int, int] | None] = [None] * self.chunks
         ranges[chunk] = (start, stop)
@@ -277,7 +293,7 @@ class Candidate:
         """Per stage, for layers per virtual stage `counts`: its checkpointing level and memory at it, the memory
         ceiling aside (None: it fits the limit at no level)."""
         pp, ranges = self.layout.pp, self.bounds_of(counts)
-        owned = [[ranges[k] for k in virtual_stages(s, self.chunks, pp)] for s in range(pp)]
+        owned = [[ranges[k] for k in self.own[s]] for s in range(pp)]
         return [
             self._level_and_memory(s, sum(self.param_bytes(*own) for own in ranges), ranges)
             for s, ranges in enumerate(owned)
@@ -286,13 +302,13 @@ class Candidate:
     def step_s(self, counts: Sequence[int]) -> float | None:
         """The simulated step of layers per virtual stage `counts` (None: a stage exceeds the memory limit or
         ceiling)."""
-        pp, chunks = self.layout.pp, self.chunks
+        pp = self.layout.pp
         found = self.stage_levels(counts)
         if any(entry is None or not self._under_ceiling(entry[1]) for entry in found):
             return None
         levels = [entry[0] for entry in found if entry is not None]
         ranges = self.bounds_of(counts)
-        stage_of = [locate_virtual(v, pp)[0] for v in range(self.virtual)]
+        stage_of = [stage for stage, _ in self.located]
         forward = [self.forward_s(stage_of[v], a, b) + self.message_cpu_s(v) for v, (a, b) in enumerate(ranges)]
         backward = [
             self.backward_s(stage_of[v], a, b, levels[stage_of[v]]) + self.message_cpu_s(v, backward=True)
@@ -301,7 +317,7 @@ class Candidate:
         send = [self.send_s(v, b) for v, (_, b) in enumerate(ranges)]
         tails = []
         for s in range(pp):
-            own = virtual_stages(s, chunks, pp)
+            own = self.own[s]
             params = sum(self.param_bytes(*ranges[k]) for k in own)
             layers = sum(b - a for a, b in (ranges[k] for k in own))
             tails.append(self.tail_s(s, params, layers, sum(forward[k] + backward[k] for k in own)))
@@ -317,7 +333,7 @@ class Candidate:
         plans = []
         for s, group in enumerate(self.layout.stages):
             level = levels[s]
-            virtual = virtual_stages(s, self.chunks, pp)
+            virtual = self.own[s]
             own = tuple(ranges[k] for k in virtual)
             placed = list(zip(virtual, own, strict=True))
             outs = [(k, b) for k, (_, b) in placed]  # sends
@@ -404,9 +420,9 @@ def predict_step(
     )
 
 
-def virtual_stages(stage: int, chunks: int, pp: int) -> list[int]:
+def virtual_stages(stage: int, chunks: int, pp: int, *, v_shaped: bool = False) -> list[int]:
     """The virtual stages a stage runs, chunk by chunk."""
-    return [virtual_stage(stage, chunk, pp) for chunk in range(chunks)]
+    return [virtual_stage(stage, chunk, pp, v_shaped=v_shaped) for chunk in range(chunks)]
 
 
 def _cumulative(values: list[float]) -> list[float]:

@@ -21,6 +21,12 @@ class _ScheduleBase(ConfigEnum):
         return self.value.startswith("Interleaved")
 
     @property
+    def v_shaped(self) -> bool:
+        """Two chunks per stage in V placement: stage s runs virtual stages s and 2 pp - 1 - s, so the model goes down
+        the stages and back up, and the turn at the last stage stays on its rank (ZBVZeroBubble, DualPipeV)."""
+        return self.value in ("ZBVZeroBubble", "DualPipeV")
+
+    @property
     def chosen(self) -> bool:
         """`auto`: the planner runs every schedule it models and takes the best."""
         return self.value == "auto"
@@ -28,14 +34,26 @@ class _ScheduleBase(ConfigEnum):
     @property
     def splits_backward(self) -> bool:
         """Each backward runs as an input-gradient pass, whose gradient goes down the pipeline at once, and a
-        weight-gradient pass the schedule runs later, into what would be a bubble (zero-bubble schedules)."""
-        return self.value.endswith("ZeroBubble")
+        weight-gradient pass the schedule runs later, into what would be a bubble (the zero-bubble schedules; DualPipeV
+        splits those of its last steps)."""
+        return self.value.endswith("ZeroBubble") or self.value == "DualPipeV"
 
 
 # torch's schedule names without `Schedule`; "1F1B" is no identifier, hence the functional form (Hydra matches names)
 Schedule = _ScheduleBase(
     "Schedule",
-    [(name, name) for name in ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "auto")],
+    [
+        (name, name)
+        for name in (
+            "GPipe",
+            "1F1B",
+            "Interleaved1F1B",
+            "InterleavedZeroBubble",
+            "ZBVZeroBubble",
+            "DualPipeV",
+            "auto",
+        )
+    ],
     module=__name__,
 )
 MODELLED_SCHEDULES = tuple(schedule for schedule in Schedule if not schedule.chosen)  # what `auto` chooses among
@@ -148,14 +166,14 @@ class PlanOptions:
 
     schedule: torch's pipeline schedule, or `auto`: the planner plans each (`MODELLED_SCHEDULES`) and takes the best
     (the fastest predicted step; of those within 2% of it, the least memory). partition: `auto` (minimise the
-    predicted step), `uniform`, or layers per stage (per virtual stage also accepted for the interleaved schedules).
-    pp / dp: None = choose. layout: `holmes`,
-    `nic_unaware` (Megatron-LM rank order) or `flat_fsdp`. sharding inside each stage: `fsdp`, `none` (full replicas,
-    gradients all-reduced) or `auto` (the faster of the two, FSDP on a tie since it needs less memory). backend: the
-    collective library (gloo's reduce-scatter costs a whole all-reduce). chunks_per_stage: model chunks per stage for
-    the interleaved schedules. state_multiplier: bytes of weights, grads and optimizer state per parameter byte (4: fp32
-    AdamW). memory_limit_gb: per device, None = unchecked. activation_checkpointing: `off`, `full`, `selective` or
-    `auto` (`Checkpointing`; auto turns it on per stage, only where the stage does not fit without it).
+    predicted step), `uniform`, or layers per stage (per virtual stage also accepted for the interleaved and V
+    schedules). pp / dp: None = choose. layout: `holmes`, `nic_unaware` (Megatron-LM rank order) or `flat_fsdp`.
+    sharding inside each stage: `fsdp`, `none` (full replicas, gradients all-reduced) or `auto` (the faster of the
+    two, FSDP on a tie since it needs less memory). backend: the collective library (gloo's reduce-scatter costs a
+    whole all-reduce). chunks_per_stage: model chunks per stage for the interleaved schedules (the V schedules,
+    ZBVZeroBubble and DualPipeV, run two). state_multiplier: bytes of weights, grads and optimizer state per parameter
+    byte (4: fp32 AdamW). memory_limit_gb: per device, None = unchecked. activation_checkpointing: `off`, `full`,
+    `selective` or `auto` (`Checkpointing`; auto turns it on per stage, only where the stage does not fit without it).
     """
 
     schedule: Schedule = Schedule["1F1B"]
@@ -191,6 +209,8 @@ class PlanOptions:
     @property
     def chunks(self) -> int:
         """Model chunks per stage the schedule runs."""
+        if self.schedule.v_shaped:
+            return 2
         return self.chunks_per_stage if self.schedule.interleaved else 1
 
     def settings(self) -> PlanOptions:

@@ -28,11 +28,11 @@ A branch whose bound cannot beat `bar` is cut; every split that survives to the 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from holmes_lightning.planner.bounds import ROUNDING, SuffixBounds, one_chunk_path_s, stage_path_s, water_level_s
 from holmes_lightning.planner.candidate import Candidate
-from holmes_lightning.planner.plan_types import locate_virtual
 
 REBUILD = 0.98  # rebuild the suffix tables for a search once the bar fell below this share of theirs
 DESCENTS = 3  # cycles down to this many virtual stages below one count in its path bound
@@ -125,10 +125,12 @@ def uniform_partition(num_layers: int, parts: int) -> tuple[int, ...]:
     return tuple(base + (1 if i < extra else 0) for i in range(parts))
 
 
-def split_chunks(per_stage: tuple[int, ...] | list[int], chunks: int) -> tuple[int, ...]:
-    """Each stage's layer count split into `chunks` near-equal chunks, listed in virtual-stage order."""
+def split_chunks(per_stage: Sequence[int], located: Sequence[tuple[int, int]]) -> tuple[int, ...]:
+    """Each stage's layer count split into near-equal chunks, listed in virtual-stage order (`located[v]`: the stage
+    and chunk of virtual stage v, `Candidate.located`)."""
+    chunks = len(located) // len(per_stage)
     pieces = [uniform_partition(count, chunks) for count in per_stage]
-    return tuple(pieces[s][j] for j in range(chunks) for s in range(len(per_stage)))
+    return tuple(pieces[stage][chunk] for stage, chunk in located)
 
 
 def suffix_bounds(candidate: Candidate, bar: float = math.inf) -> SuffixBounds:
@@ -203,12 +205,12 @@ class _Search:
     def _child(self, path: _Path, v: int, start: int, stop: int, bound: float) -> _Child | None:
         """Virtual stage v holding layers [start, stop) (None: its stage goes over the memory limit)."""
         c, chunks, m = self.candidate, self.chunks, self.m
-        stage, chunk = locate_virtual(v, self.pp)
-        costs = c.range_cost(v, start, stop) if chunks == 1 else self._chunk_costs(path, v, stage, start, stop)
+        stage, chunk = c.located[v]
+        costs = c.range_cost(v, start, stop) if chunks == 1 else self._chunk_costs(path, v, start, stop)
         if costs is None:
             return None
         forward, backward, send, tail, weight = costs
-        work = self._work(path, range(stage, v, self.pp)) + forward + backward + weight
+        work = self._work(path, c.own[stage][:chunk]) + forward + backward + weight
         ends = 0.0
         if chunk == chunks - 1:  # the stage is complete: its tail follows its last action, chunk 0's last backward
             ends = path.down[v] - path.down[stage] + tail
@@ -236,11 +238,13 @@ class _Search:
         return _Child(v, stage, start, stop, forward, backward, weight, send, tail, drain, bound, last_forward)
 
     def _chunk_costs(
-        self, path: _Path, v: int, stage: int, start: int, stop: int
+        self, path: _Path, v: int, start: int, stop: int
     ) -> tuple[float, float, float, float, float] | None:
         """(forward, backward, send, tail, weight) of virtual stage v holding layers [start, stop) after its stage's
         earlier chunks (one chunk per stage: `range_cost`, which caches them); tail 0 until the stage is complete."""
-        c, earlier = self.candidate, range(stage, v, self.pp)
+        c = self.candidate
+        stage, chunk = c.located[v]
+        earlier = c.own[stage][:chunk]
         ranges = [(path.start(u), path.stops[u]) for u in earlier] + [(start, stop)]
         params = sum(c.param_bytes(a, b) for a, b in ranges)
         level = c.level(stage, params, ranges)
@@ -249,25 +253,25 @@ class _Search:
         forward, backward = c.forward_s(stage, start, stop), c.gradient_s(stage, start, stop, level)
         weight = c.weight_s(stage, start, stop)
         tail = 0.0
-        if v + self.pp >= self.virtual:  # its last chunk: the stage is complete
+        if chunk == self.chunks - 1:  # its last chunk: the stage is complete
             work = self._work(path, earlier) + forward + backward + weight
             tail = c.tail_s(stage, params, sum(b - a for a, b in ranges), work)
         return forward, backward, c.send_s(v, stop), tail, weight
 
     @staticmethod
-    def _work(path: _Path, virtual: range) -> float:
+    def _work(path: _Path, virtual: Sequence[int]) -> float:
         """One micro-batch's every pass through these assigned virtual stages."""
         return sum(path.forward[u] + path.backward[u] + path.weight[u] for u in virtual)
 
     def _load_s(self, path: _Path, v: int, stage: int, work: float, next_head: float, stop: int) -> float:
         """Several chunks per stage: the stages with chunks left share the layers left, each after its own first
         forward and the work it has (`water_level_s`)."""
-        c, pp, m = self.candidate, self.pp, self.m
+        c, m = self.candidate, self.m
         bases, rates = [], []
-        for s in range(pp):
-            if s + (self.chunks - 1) * pp <= v:  # complete: its whole path is in the bound already
+        for s, own in enumerate(c.own):
+            if own[-1] <= v:  # complete: its whole path is in the bound already
                 continue
-            known = work if s == stage else self._work(path, range(s, v, pp))
+            known = work if s == stage else self._work(path, [u for u in own if u < v])
             bases.append((path.head[s] if s <= v else next_head) + m * known)
             rates.append(m * c.slowdown[s])
         return water_level_s(bases, rates, c.base_work_s(stop, self.layers))
@@ -293,14 +297,14 @@ class _Search:
 
     def _stage_path_s(self, path: _Path, child: _Child) -> float:
         """`stage_path_s` of the stage `child` completes (several chunks), with the hops between its chunks."""
-        c, pp, v, stage = self.candidate, self.pp, child.v, child.stage
+        c, v, stage = self.candidate, child.v, child.stage
         excursion = None if v == self.virtual - 1 else 2 * child.send + self.tables.chain[v + 1][child.stop]
-        own = list(range(stage, v, pp))
+        own = c.own[stage][:-1]
         up, down = [], []
-        for u in own:  # hops from chunk u to chunk u + pp through the virtual stages between (all assigned)
-            sends = sum(path.send[w] for w in range(u, u + pp))
-            up.append(sends + sum(path.forward[w] for w in range(u + 1, u + pp)))
-            down.append(sends + sum(path.backward[w] for w in range(u + 1, u + pp)))
+        for u, w in zip(own, c.own[stage][1:], strict=True):  # hops from chunk u to the next, w, through the
+            sends = sum(path.send[t] for t in range(u, w))  # virtual stages between (all assigned)
+            up.append(sends + sum(path.forward[t] for t in range(u + 1, w)))
+            down.append(sends + sum(path.backward[t] for t in range(u + 1, w)))
         weights = [path.weight[u] for u in own] + [child.weight]
         walk = stage_path_s(
             order=c.shapes.orders[stage],

@@ -17,7 +17,8 @@ class StagePlan:
     """One pipeline stage: its data-parallel/sharding group (ranks in dp order) and the model chunks it owns.
 
     `chunks` are half-open layer ranges [start, stop) into the profile's layer list; one chunk for GPipe/1F1B,
-    several for interleaved schedules (chunk j of stage s is virtual stage s + j * pp). Per chunk and micro-batch:
+    several for interleaved and V schedules (chunk j of stage s is virtual stage `virtual_stage(s, j, pp)`). Per chunk
+    and micro-batch:
     `forward_s`/`backward_s` compute seconds (`weight_s`: of the backward, the weight-gradient pass a zero-bubble
     schedule runs apart; empty: none) and `send_s` the transfer of its output to the next virtual stage over
     `send_link` (0 for the last; no link without a pipeline), `early_s` the part of it that may cross before the
@@ -158,8 +159,9 @@ class Plan:
         return self.pp * self.chunks_per_stage
 
     def virtual_stages(self, stage: int) -> tuple[int, ...]:
-        """The virtual pipeline stages `stage` runs, one per chunk (loop placement: chunk j is `stage + j * pp`)."""
-        return tuple(virtual_stage(stage, chunk, self.pp) for chunk in range(self.chunks_per_stage))
+        """The virtual pipeline stages `stage` runs, one per chunk, in its schedule's placement (`virtual_stage`)."""
+        v_shaped = self.schedule.v_shaped
+        return tuple(virtual_stage(stage, c, self.pp, v_shaped=v_shaped) for c in range(self.chunks_per_stage))
 
     def holds_first(self, stage: int) -> bool:
         """`stage` runs virtual stage 0: it feeds the inputs."""
@@ -217,14 +219,19 @@ def reshards_after_forward(*, pipelined: bool) -> bool:
     return not pipelined
 
 
-def virtual_stage(stage: int, chunk: int, pp: int) -> int:
-    """The virtual stage that chunk `chunk` of `stage` runs, in loop placement (interleaved schedules)."""
+def virtual_stage(stage: int, chunk: int, pp: int, *, v_shaped: bool = False) -> int:
+    """The virtual stage that chunk `chunk` of `stage` runs: in loop placement `stage + chunk * pp` (interleaved
+    schedules), in V placement (`Schedule.v_shaped`, two chunks) `stage`, then `2 * pp - 1 - stage`."""
+    if v_shaped and chunk % 2:
+        return (chunk + 1) * pp - 1 - stage
     return stage + chunk * pp
 
 
-def locate_virtual(virtual: int, pp: int) -> tuple[int, int]:
+def locate_virtual(virtual: int, pp: int, *, v_shaped: bool = False) -> tuple[int, int]:
     """(stage, chunk) that runs virtual stage `virtual`: the inverse of `virtual_stage`."""
     chunk, stage = divmod(virtual, pp)
+    if v_shaped and chunk % 2:
+        return pp - 1 - stage, chunk
     return stage, chunk
 
 

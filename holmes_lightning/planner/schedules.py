@@ -40,6 +40,8 @@ def microbatch_problem(schedule: Schedule, pp: int, microbatches: int) -> str | 
     schedule = Schedule(schedule)
     if schedule == Schedule["1F1B"] and microbatches < pp:
         return f"schedule 1F1B needs microbatches >= stages, got {microbatches} < {pp}"
+    if schedule == Schedule.DualPipeV and microbatches < 2 * pp:
+        return f"schedule DualPipeV needs microbatches >= virtual stages (2 x pp), got {microbatches} < {2 * pp}"
     rounds = max(1, microbatches // pp)
     if schedule.interleaved and microbatches % rounds:
         return (
@@ -59,6 +61,10 @@ def stage_actions(schedule: Schedule, stage: int, pp: int, microbatches: int, ch
         return _one_f_one_b(stage, pp, microbatches)
     if schedule.interleaved:
         return _interleaved(stage, pp, microbatches, chunks, zero_bubble=schedule.splits_backward)
+    if schedule == Schedule.ZBVZeroBubble:
+        return _zero_bubble_v(stage, pp, microbatches)
+    if schedule == Schedule.DualPipeV:
+        return _dual_pipe_v(stage, pp, microbatches)
     raise ValueError(f"schedule={schedule.value} is no order to run; use one of {', '.join(MODELLED_SCHEDULES)}")
 
 
@@ -110,6 +116,98 @@ def _interleaved(stage: int, pp: int, microbatches: int, chunks: int, *, zero_bu
     for step in range(total - warmup, total):
         actions += backward(step)
     return actions + [action(True, chunk, WEIGHT) for chunk in weights_due]
+
+
+class _Counter:
+    """Hands out each (chunk, pass) its next micro-batch, in order."""
+
+    def __init__(self) -> None:
+        self.next: dict[tuple[int, str], int] = {}
+
+    def take(self, chunk: int, kind: str) -> int:
+        microbatch = self.next.get((chunk, kind), 0)
+        self.next[(chunk, kind)] = microbatch + 1
+        return microbatch
+
+
+def _zero_bubble_v(stage: int, pp: int, microbatches: int) -> list[Action]:
+    """torch's ScheduleZBVZeroBubble on V placement (chunk 0 is virtual stage `stage`, chunk 1 is 2 pp - 1 - stage).
+
+    Planned for at least 2 pp - 1 micro-batches (torch drops the actions of those it does not have): warm-up
+    forwards of chunk 0, then of both chunks, then chunk 1's forward, input and weight passes, a steady state of both
+    chunks' forward, input and weight passes, and a cool-down of input passes whose weight passes come last.
+    """
+    planned, count = max(2 * pp - 1, microbatches), _Counter()
+
+    def forward(chunk: int) -> Action:
+        return Action(False, chunk, count.take(chunk, "forward"))
+
+    def input_and_weight(chunk: int) -> list[Action]:
+        microbatch = count.take(chunk, INPUT)
+        count.take(chunk, WEIGHT)
+        return [Action(True, chunk, microbatch, INPUT), Action(True, chunk, microbatch, WEIGHT)]
+
+    actions = [forward(0) for _ in range(2 * (pp - stage) - 1)]
+    for _ in range(stage):
+        actions += [forward(1), forward(0)]
+    for _ in range(pp - stage):
+        actions += [forward(1), *input_and_weight(1)]
+    while count.next[(1, "forward")] < count.next[(0, "forward")] or count.next[(0, "forward")] < planned:
+        if count.next[(0, "forward")] < planned:
+            actions.append(forward(0))
+        actions += input_and_weight(0) + [forward(1)] + input_and_weight(1)
+    for chunks in [(0, 1)] * stage + [(0,)] * (pp - stage):
+        for chunk in chunks:
+            actions.append(Action(True, chunk, count.take(chunk, INPUT), INPUT))
+        if chunks == (0,):
+            actions.append(Action(True, 0, count.take(0, WEIGHT), WEIGHT))
+    for chunk in (1, 0):
+        while count.next[(chunk, WEIGHT)] < count.next[(chunk, INPUT)]:
+            actions.append(Action(True, chunk, count.take(chunk, WEIGHT), WEIGHT))
+    return [action for action in actions if action.microbatch < microbatches]
+
+
+def _dual_pipe_v(stage: int, pp: int, microbatches: int) -> list[Action]:
+    """torch's ScheduleDualPipeV on V placement (chunk 0 is virtual stage `stage`, chunk 1 is 2 pp - 1 - stage).
+
+    Its overlapped forward-and-backward pairs run one after the other on a rank (torch's runtime without an overlap
+    callback): a forward, then a whole backward. Input passes leave their weight passes to a queue that the schedule
+    drains into the gaps (step numbers as in torch's code).
+    """
+    count, queued = _Counter(), []  # queued: (chunk, micro-batch) of input passes whose weight pass is to come
+
+    def forward(chunk: int) -> Action:
+        return Action(False, chunk, count.take(chunk, "forward"))
+
+    def backward(chunk: int, *, split: bool = False) -> Action:
+        microbatch = count.take(chunk, INPUT)
+        if split:
+            queued.append((chunk, microbatch))
+        return Action(True, chunk, microbatch, INPUT if split else FULL)
+
+    def queued_weight() -> list[Action]:
+        return [Action(True, *queued.pop(0), WEIGHT)] if queued else []
+
+    actions = [forward(0) for _ in range(2 * (pp - stage - 1))]  # 1
+    for _ in range(stage + 1):  # 2
+        actions += [forward(0), forward(1)]
+    for _ in range(pp - stage - 1):  # 3
+        actions += [backward(1, split=True), *queued_weight(), forward(1)]
+    for _ in range(microbatches - 2 * pp + stage + 1):  # 4
+        actions += [forward(0), backward(1), forward(1), backward(0)]
+    for _ in range(pp - stage - 1):  # 5
+        actions += [backward(1), forward(1), backward(0)]
+    split = False
+    for i in range(stage + 1):  # 6: the second half split
+        split = split or (i == (stage + 1) // 2 and stage % 2 == 1)
+        actions.append(backward(1, split=split))
+        split = split or (i == (stage + 1) // 2 and stage % 2 == 0)
+        actions.append(backward(0, split=split))
+    for _ in range(pp - stage - 1):  # 7
+        actions += [*queued_weight(), backward(0, split=split)]
+    for _ in range(stage + 1):  # 8
+        actions += queued_weight()
+    return actions
 
 
 def held_at_peaks(actions: Sequence[Action], chunks: int) -> tuple[tuple[int, ...], ...]:

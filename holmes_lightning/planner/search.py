@@ -178,12 +178,11 @@ def balanced_partition(candidate: Candidate) -> tuple[int, ...]:
     chunk per stage), a cheap proxy for the step, by dynamic programming over the ranges (memory and checkpointing
     left to the simulation)."""
     c, virtual, layers, m = candidate, candidate.virtual, candidate.num_layers, candidate.microbatches
-    pp = c.layout.pp
     least = [[math.inf] * (layers + 1) for _ in range(virtual + 1)]
     stop_of = [[0] * (layers + 1) for _ in range(virtual + 1)]
     least[virtual][layers] = 0.0
     for v in range(virtual - 1, -1, -1):
-        stage, walk, later = v % pp, c.shapes.walks[v], virtual - 1 - v
+        stage, walk, later = c.located[v][0], c.shapes.walks[v], virtual - 1 - v
         for start in range(v, layers - later):
             down = c.send_s(v - 1, start) if v else 0.0
             for stop in range(start + 1, layers - later + 1):

@@ -16,8 +16,9 @@ have posted, the sockets taking the data (`buffered`). How torch's schedules pos
 - 1F1B waits for a send in the same batch as the next recv (steady state: the action after it starts only once the
   send is through) or, in warm-up and cool-down, after the next action's compute; GPipe waits for all forward sends
   before its first backward; both wait for their last send before the step's end;
-- Interleaved1F1B and InterleavedZeroBubble (torch's schedule runtime) post recvs as soon as the sender's compute
-  is scheduled, so transfers overlap compute, and wait for their sends at the end of the step.
+- the schedules with several chunks per stage (torch's schedule runtime) post recvs as soon as the sender's compute
+  is scheduled, so transfers overlap compute, and wait for their sends at the end of the step; a hop between two
+  virtual stages on one stage (V placement's turn) is a local hand-over.
 
 A zero-bubble schedule splits each backward into an input pass, which the previous virtual stage waits for, and a
 weight pass (`weight` seconds of the backward) that waits only for its own stage's order and sends nothing.
@@ -79,9 +80,9 @@ class Replay:
     """Every action of one step (`pp` stages, `chunks` per stage, `microbatches`), each after what it waits for.
 
     `orders[s]`: stage s's actions in the order it runs them.
-    Per action: its stage, its virtual stage (`chunk * pp + stage`), forward/backward, its part (`parts`: a
-    backward's FULL, INPUT or WEIGHT pass; `split`: the schedule has such parts), the index of the action it
-    waits for (-1: none), the virtual stage whose transfer lies between them (-1: none), the link that transfer
+    Per action: its stage (`stage_of`), its virtual stage (`plan_types.virtual_stage`), forward/backward, its part
+    (`parts`: a backward's FULL, INPUT or WEIGHT pass; `split`: the schedule has such parts), the index of the action
+    it waits for (-1: none), the virtual stage whose transfer lies between them (-1: none), the link that transfer
     takes (`sender * pp + receiver` of the stages; -1: none), the action whose send must be through before it starts
     (`gate`) and before its stage moves on after it (`after_gate`; -1: none). `final_gates[s]`: the sends stage s
     waits for before its step ends. `steps`: i >= 0 runs action i, ~i times the transfer into action i (when its
@@ -95,6 +96,7 @@ class Replay:
     orders: tuple[tuple[Action, ...], ...]
     actions: tuple[tuple[int, Action], ...]
     virtual: tuple[int, ...]
+    stage_of: tuple[int, ...]
     backward: tuple[bool, ...]
     parts: tuple[str, ...]
     split: bool
@@ -113,7 +115,7 @@ class Replay:
     def of(cls, schedule: Schedule, pp: int, microbatches: int, chunks: int = 1) -> Replay:
         schedule = Schedule(schedule)
         orders = [stage_actions(schedule, s, pp, microbatches, chunks) for s in range(pp)]
-        last = pp * chunks - 1
+        last, v_shaped = pp * chunks - 1, schedule.v_shaped
         Key = tuple[int, int, int]  # (0 forward, 1 a backward that sends, 2 a weight pass; virtual stage; micro-batch)
 
         def source_of(action: Action, k: int) -> tuple[Key | None, int]:
@@ -134,7 +136,14 @@ class Replay:
             return (0, k + 1, action.microbatch) if k < last else None
 
         keys = [
-            [(2 if a.part == WEIGHT else int(a.backward), virtual_stage(s, a.chunk, pp), a.microbatch) for a in order]
+            [
+                (
+                    2 if a.part == WEIGHT else int(a.backward),
+                    virtual_stage(s, a.chunk, pp, v_shaped=v_shaped),
+                    a.microbatch,
+                )
+                for a in order
+            ]
             for s, order in enumerate(orders)
         ]
         receivers = [
@@ -196,7 +205,8 @@ class Replay:
             microbatches=microbatches,
             orders=tuple(tuple(order) for order in orders),
             actions=tuple(actions),
-            virtual=tuple(virtual_stage(s, a.chunk, pp) for s, a in actions),
+            virtual=tuple(virtual_stage(s, a.chunk, pp, v_shaped=v_shaped) for s, a in actions),
+            stage_of=tuple(s for s, _ in actions),
             backward=tuple(a.backward for _, a in actions),
             parts=tuple(a.part for _, a in actions),
             split=schedule.splits_backward,
@@ -228,7 +238,7 @@ class Replay:
         backward, its weight pass's seconds, for a schedule that splits them)."""
         if durations is None and self.split:
             durations = self.seconds(forward, backward, weight)
-        pp, virtual, waits_for, transfer = self.pp, self.virtual, self.waits_for, self.transfer
+        pp, virtual, stage_of, waits_for, transfer = self.pp, self.virtual, self.stage_of, self.waits_for, self.transfer
         clock = [0.0] * pp
         link_free = [0.0] * (pp * pp)  # when each stage-to-stage link has sent what it carried so far
         n = len(self.actions)
@@ -243,7 +253,7 @@ class Replay:
                 i = ~step
                 source, link = waits_for[i], link_of[i]
                 ready = posted[source]
-                waiting = clock[virtual[i] % pp]  # the receiver posts its recv now
+                waiting = clock[stage_of[i]]  # the receiver posts its recv now
                 if waits_then_posts and gate_of[i] >= 0 and through[gate_of[i]] > waiting:
                     waiting = through[gate_of[i]]
                 if link_free[link] > ready:
@@ -262,8 +272,7 @@ class Replay:
                 else:
                     through[source] = posted[source]
                 continue
-            k = virtual[step]
-            stage = k % pp  # locate_virtual(k, pp)[0], inlined: this loop times every action of every split
+            k, stage = virtual[step], stage_of[step]
             start = clock[stage]
             source = waits_for[step]
             if source >= 0:
@@ -381,7 +390,8 @@ def simulate(
     pp = len(stages)
     chunks = len(stages[0].chunks)
     replay = Replay.of(schedule, pp, microbatches, chunks)
-    per_virtual = [(stages[stage], chunk) for stage, chunk in (locate_virtual(k, pp) for k in range(pp * chunks))]
+    located = (locate_virtual(k, pp, v_shaped=Schedule(schedule).v_shaped) for k in range(pp * chunks))
+    per_virtual = [(stages[stage], chunk) for stage, chunk in located]
     forward = [stage.forward_s[j] for stage, j in per_virtual]
     backward = [stage.backward_s[j] for stage, j in per_virtual]
     send = [stage.send_s[j] for stage, j in per_virtual]
