@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from holmes_lightning.planner import MachineCosts, StagePlan, simulate
 from holmes_lightning.planner.cost import GLOO_EARLY_BYTES, CostModel
+from holmes_lightning.planner.options import Schedule
 from holmes_lightning.planner.plan_types import virtual_stage
 from holmes_lightning.planner.schedules import held_at_peaks, microbatch_problem, peak_stash, stage_actions
 from holmes_lightning.planner.simulate import Timeline
@@ -203,6 +204,8 @@ def test_exposed_sync_overlap_is_capped_by_the_pass_and_absent_in_a_pipeline():
         ("InterleavedZeroBubble", 1, 27.0),
         ("Interleaved1F1B", 2, 28.5),
         ("InterleavedZeroBubble", 2, 25.5),
+        ("ZBVZeroBubble", 2, 25.5),  # the first micro-batch's way down the V's first half, then no bubble
+        ("DualPipeV", 2, 25.5),
     ],
 )
 def test_weight_passes_fill_the_bubble_as_the_zero_bubble_paper_counts(schedule, chunks, step):
@@ -217,5 +220,6 @@ def test_weight_passes_fill_the_bubble_as_the_zero_bubble_paper_counts(schedule,
         sends=[0.0] * virtual,
         tails=[0.0] * pp,
         weight=[1.0 / chunks] * virtual,
+        v_shaped=Schedule(schedule).v_shaped,
     )
     assert simulate(stages, schedule, m).total_s == pytest.approx(step)

@@ -326,7 +326,7 @@ def test_batches_are_inputs_and_targets_or_dicts_of_input_ids_and_labels() -> No
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
-        ({"schedule": "ZBVZeroBubble"}, r"schedule='ZBVZeroBubble'\): use one of GPipe, 1F1B, Interleaved1F1B"),
+        ({"schedule": "ZBV"}, r"schedule='ZBV'\): use one of GPipe, 1F1B, Interleaved1F1B"),
         ({"sharding": "zero3"}, r"sharding='zero3'\): use one of auto, fsdp, none"),
         ({"layout": "megatron"}, r"layout='megatron'\): use one of holmes, nic_unaware, flat_fsdp"),
         ({"pp": 0}, r"^HolmesStrategy\(pp=0\): use a positive number of stages"),

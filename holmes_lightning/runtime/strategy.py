@@ -104,7 +104,7 @@ class HolmesStrategy(ModelParallelStrategy):
             "auto": FSDP2 unless replicas are faster; activation_checkpointing "auto": per stage, off where it fits
             the memory bound keeping every activation, else selective, else full; layout "nic_unaware": Megatron's
             rank order; schedule "auto": the planner's pick of every schedule it models, e.g.
-            "InterleavedZeroBubble").
+            "InterleavedZeroBubble" or the V schedules "ZBVZeroBubble" and "DualPipeV").
         plan: a Plan (or its JSON file) to run instead of planning.
         profile: the model's cost profile; default: `pipeline_layers()` measured on `example_input_array`, else on one
             sample of the running entry point's DataLoader (meta layers: on meta tensors).
