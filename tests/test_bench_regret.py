@@ -13,6 +13,7 @@ from holmes_lightning.bench.variants import on_gloo
 from holmes_lightning.cli.config import ModelConfig
 from holmes_lightning.planner import MachineCosts, PlanOptions
 from holmes_lightning.planner.choice import STEP_TOLERANCE
+from holmes_lightning.planner.options import MODELLED_SCHEDULES
 from holmes_lightning.topology import Topology
 
 
@@ -69,8 +70,9 @@ def test_the_choice_is_ranked_by_measured_step_against_the_fastest():
     assert slow_choice.regret == pytest.approx(0.1) and not slow_choice.met
 
 
+@pytest.mark.parametrize("schedules", [None, MODELLED_SCHEDULES], ids=["job's schedule", "every schedule"])
 @pytest.mark.parametrize("cluster", ["two_cluster_mixed", "three_cluster"])
-def test_every_configuration_is_distinct_and_none_is_predicted_much_faster_than_the_choice(cluster):
+def test_every_configuration_is_distinct_and_none_is_predicted_much_faster_than_the_choice(cluster, schedules):
     model = ModelConfig(n_layers=6, d_model=64, n_heads=4, seq_len=32)
     profile = BenchModel(gpt=model).profile()
     topology = Topology.from_config(cluster)
@@ -85,9 +87,13 @@ def test_every_configuration_is_distinct_and_none_is_predicted_much_faster_than_
         latency_s=3e-4,
     )
     lab = lab_topology(topology, 1e-3, 50 * share / 1e3)
-    plans, chosen = configurations(lab, profile, global_batch=16, options=on_gloo(PlanOptions()), costs=costs)
+    options = on_gloo(PlanOptions())
+    plans, chosen = configurations(lab, profile, global_batch=16, options=options, costs=costs, schedules=schedules)
     assert chosen in plans and len(plans) >= 6
-    runs = {(tuple((s.ranks, s.chunks) for s in p.stages), p.microbatches, p.sharding) for p in plans.values()}
+    assert {p.schedule for p in plans.values()} == set(schedules or [options.schedule])  # each runs here
+    runs = {
+        (tuple((s.ranks, s.chunks) for s in p.stages), p.microbatches, p.sharding, p.schedule) for p in plans.values()
+    }
     assert len(runs) == len(plans)  # a plan found twice runs once
     assert {p.global_batch for p in plans.values()} == {16}
     assert {p.sharding for p in plans.values()} == {"none", "fsdp"}

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from hydra.core.config_store import ConfigStore
 
 from holmes_lightning.cli.config import ConfigError, HFModelConfig, ModelConfig, StrategyConfig
+from holmes_lightning.planner import Schedule
 from holmes_lightning.topology import shipped_cluster_names
 from holmes_lightning.topology.spec import ClusterSpec
 
@@ -142,6 +143,8 @@ class BenchSettings:
     batches: the speed and regret benches train it instead of the GPT, the overhead bench besides it.
 
     `slow_cluster` runs its NIC at `slow_nic_gbps` in the unequal-clusters topology (auto vs uniform partition).
+    `schedules`: bench=regret plans every configuration with each of these (None: the job's `strategy.schedule`),
+    and the planner's free choice takes `schedule=auto`.
     `bandwidth_scale` None: chosen from this CPU as `lab.scale` does, once, for every variant. What Holmes plans
     (degrees, schedule, sharding; `costs.dp_overlap`) is the job config's `strategy` node, as for train.py.
     """
@@ -166,6 +169,7 @@ class BenchSettings:
     hf_model: HFModelConfig | None = None
     activations: ActivationsJob | None = None
     elastic: ElasticJob | None = None
+    schedules: list[Schedule] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -204,6 +208,11 @@ class BenchSettings:
             raise ConfigError(
                 f"bench.elastic with bench.kind={self.kind}: give bench.elastic (the job's checkpoints and the rank "
                 f"killed) exactly when bench.kind=elastic, as conf/bench/elastic.yaml does"
+            )
+        if self.schedules is not None and (not self.schedules or any(Schedule(s).chosen for s in self.schedules)):
+            raise ConfigError(
+                f"bench.schedules={self.schedules!r}: list the schedules to plan every configuration with, e.g. "
+                f"[1F1B, ZBVZeroBubble], or null for the job's strategy.schedule"
             )
         if self.calibration_seconds < 0:
             raise ConfigError(f"bench.calibration_seconds={self.calibration_seconds!r}: must be >= 0, e.g. 1.5")

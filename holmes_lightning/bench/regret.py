@@ -41,6 +41,7 @@ from holmes_lightning.planner import (
     Plan,
     PlanError,
     PlanOptions,
+    Schedule,
     Sharding,
     best_plan,
 )
@@ -127,16 +128,41 @@ def ranks(values: Sequence[float]) -> list[float]:
 
 def describe(plan_: Plan) -> str:
     return (
-        f"pp={plan_.pp} x dp={plan_.dp}, {plan_.microbatches} mb, layers {plan_.layers_per_stage()}, {plan_.sharding}"
+        f"{plan_.schedule.value}, pp={plan_.pp} x dp={plan_.dp}, {plan_.microbatches} mb, "
+        f"layers {plan_.layers_per_stage()}, {plan_.sharding}"
     )
 
 
 def configurations(
-    lab: Topology, profile: ModelProfile, *, global_batch: int, options: PlanOptions, costs: MachineCosts
+    lab: Topology,
+    profile: ModelProfile,
+    *,
+    global_batch: int,
+    options: PlanOptions,
+    costs: MachineCosts,
+    schedules: Sequence[Schedule] | None = None,
 ) -> tuple[dict[str, Plan], str]:
     """Every feasible configuration's plan by name (one name per distinct plan), and the name of the planner's free
-    choice among them."""
+    choice among them; with `schedules`, those of each schedule, and the free choice plans `schedule=auto`."""
     found: dict[tuple, tuple[str, Plan]] = {}
+    for schedule in schedules or (options.schedule,):
+        _add_configurations(found, lab, profile, global_batch, replace(options, schedule=schedule), costs)
+    free = free_choice(options) if schedules is None else replace(free_choice(options), schedule=Schedule.auto)
+    chosen = best_plan(lab, profile, BatchSettings(global_batch), options=free, costs=costs)
+    if run_key(chosen) not in found:
+        found[run_key(chosen)] = (CHOICE, chosen)
+    return {name: planned for name, planned in found.values()}, found[run_key(chosen)][0]
+
+
+def _add_configurations(
+    found: dict[tuple, tuple[str, Plan]],
+    lab: Topology,
+    profile: ModelProfile,
+    global_batch: int,
+    options: PlanOptions,
+    costs: MachineCosts,
+) -> None:
+    """Every feasible configuration of `options`' schedule, by what it runs (`run_key`): (name, plan)."""
     for dp in dp_degrees(lab):
         per_replica = global_batch // dp if global_batch % dp == 0 else 0
         shardings = (Sharding.fsdp, Sharding.none) if dp > 1 else (Sharding.none,)
@@ -149,15 +175,11 @@ def configurations(
                         planned = best_plan(lab, profile, batch, options=request, costs=costs)
                     except PlanError:  # the schedule needs more micro-batches, or more layers than the model has
                         continue
-                    name = f"pp{planned.pp} dp{dp} mb{microbatches} {sharding} {partition}"
+                    name = f"{planned.schedule.value} pp{planned.pp} dp{dp} mb{microbatches} {sharding} {partition}"
                     key = run_key(planned)
                     if key in found:  # auto found the uniform split: one run, both names
                         name = f"{found[key][0]}={partition}"
                     found[key] = (name, planned)
-    chosen = best_plan(lab, profile, BatchSettings(global_batch), options=free_choice(options), costs=costs)
-    if run_key(chosen) not in found:
-        found[run_key(chosen)] = (CHOICE, chosen)
-    return {name: planned for name, planned in found.values()}, found[run_key(chosen)][0]
 
 
 def measure_cluster(
@@ -174,6 +196,7 @@ def measure_cluster(
         global_batch=settings.global_batch,
         options=on_gloo(requested),
         costs=calibration.calibration.costs,
+        schedules=settings.schedules,
     )
     runs = [Variant(name=name, strategy="holmes", topology=topology, plan=planned) for name, planned in plans.items()]
     random.Random(0).shuffle(runs)
