@@ -13,6 +13,7 @@ from holmes_lightning.measure import calibration, together
 from holmes_lightning.measure.calibration import Calibration, Measurement
 from holmes_lightning.measure.together import cross_node_partners
 from holmes_lightning.planner import LayerProfile, MachineCosts, ModelProfile
+from holmes_lightning.planner.cost import CostModel
 from holmes_lightning.runtime import HolmesStrategy
 from holmes_lightning.topology import Topology
 
@@ -130,6 +131,35 @@ def test_layers_without_parameters_are_timed_and_small_layers_on_more_samples(tm
     assert measured.optimizer_s > 0 and measured.per_sample_s >= 0
     tiny = nn.Linear(3, 4)
     assert calibration._slope_samples(tiny, torch.randn(1, 3), torch.device("cpu")) > calibration.FIT_SAMPLES[1]
+
+
+def test_the_weight_gradient_pass_is_timed_apart_and_scales_the_layers_flop_shares(tmp_path, monkeypatch):
+    """A stack of matrix multiplies spends about half of each backward on weight gradients (its two gradients cost
+    alike); the measured share goes into the costs, and each layer's FLOP share is scaled so the model's matches."""
+    monkeypatch.setenv(calibration.CACHE_ENV, str(tmp_path))
+    layers = [nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256)]
+    measured = calibration.measure(layers, torch.randn(1, 256), device=torch.device("cpu"), seconds=0.3)
+    assert 0.2 < measured.weight_share < 0.8
+    profile = ModelProfile(
+        "two_kinds",
+        (
+            LayerProfile("matmul", 1e9, 2e9, 1e6, 1e3, 1e3, weight_flops=1e9),  # FLOP share 0.5
+            LayerProfile("activation", 1e8, 1e8, 0.0, 1e3, 1e3, weight_flops=0.0),
+        ),
+        tokens_per_sample=8,
+    )
+    costs = Calibration.of(replace(MEASURED, weight_share=0.3), profile, share=1.0).costs
+    assert (
+        costs.weight_share == 0.3
+        and "weight-gradient pass 30% of a backward"
+        in Calibration.of(replace(MEASURED, weight_share=0.3), profile, share=1.0).describe()
+    )
+    shares = CostModel(topology=None, profile=profile, machine=costs).weight_shares()
+    backward = [layer.backward_flops for layer in profile.layers]
+    assert sum(s * b for s, b in zip(shares, backward, strict=True)) / sum(backward) == pytest.approx(0.3)
+    assert shares[1] == 0.0  # a layer without weights still has no weight pass
+    unmeasured = CostModel(topology=None, profile=profile, machine=MachineCosts()).weight_shares()
+    assert unmeasured == [0.5, 0.0]
 
 
 @pytest.mark.slow

@@ -8,7 +8,9 @@ distinct pipeline layer (a layer on the meta device gets a full copy on the devi
   profile's FLOPs over it: the device's FLOP/s on this model), what is left at zero samples the fixed cost of a pass;
 - the same under FSDP2 on a group of one rank, the weights kept gathered with no gradient sync (a pipeline's
   micro-batches) and freed after forward with it (pp=1): FSDP's hooks per layer and pass;
-- one fused AdamW step (the recipe's optimizer) over the plain and over the FSDP (DTensor) parameters.
+- one fused AdamW step (the recipe's optimizer) over the plain and over the FSDP (DTensor) parameters;
+- at the larger sample count, the forward alone and the forward with the input gradients alone: what is left of
+  the whole pass is the weight-gradient pass, the share of the backward a zero-bubble schedule runs apart.
 
 Each is the median of rounds (every kind of pass once per round) repeated for `LAYER_SECONDS` per distinct layer
 ($HOLMES_CALIBRATION_SECONDS overrides it): a shared machine's speed drifts by 10-20% over seconds, so a second of
@@ -47,6 +49,7 @@ from holmes_lightning.measure.layer_io import (
     as_tuple,
     backward,
     detached,
+    input_gradients,
     moved,
     nbytes,
     repeated,
@@ -62,7 +65,7 @@ LAYER_SECONDS = 1.5  # each distinct layer is timed this long: the machine's spe
 MIN_ROUNDS = 3  # and at least this many rounds after a warm-up one
 CACHE_ENV = "HOLMES_CALIBRATION_DIR"
 SECONDS_ENV = "HOLMES_CALIBRATION_SECONDS"  # overrides LAYER_SECONDS
-CACHE_VERSION = 4  # 4: per precision
+CACHE_VERSION = 5  # 4: per precision, 5: the weight-gradient pass timed
 # Lightning's precision -> (the dtype the layers hold, the dtype autocast computes in); what the runtime trains with
 PRECISIONS: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = {
     "32-true": (None, None),
@@ -85,6 +88,7 @@ class Measurement:
     fsdp_pass_s: float
     fsdp_reshard_pass_s: float
     fsdp_optimizer_s: float
+    weight_share: float | None = None  # of the backward's seconds, the weight-gradient pass's (None: not timed)
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,7 @@ class Calibration:
             fsdp_layer_s=measured.fsdp_pass_s / per_layer,
             fsdp_reshard_layer_s=measured.fsdp_reshard_pass_s / per_layer,
             fsdp_optimizer_layer_s=measured.fsdp_optimizer_s / per_layer,
+            weight_share=measured.weight_share,
             **together,
         )
         return cls(
@@ -180,6 +185,10 @@ class Calibration:
         described = "" if closing is None else f", a step's closing collectives {closing * 1e3:.2f} ms"
         return described + (f", {message * 1e3:.2f} CPU-ms per message" if message else "")
 
+    def _weight_pass(self) -> str:
+        share = self.costs.weight_share
+        return "" if share is None else f" weight-gradient pass {share:.0%} of a backward;"
+
     def describe(self) -> str:
         costs = self.costs
         return (
@@ -188,8 +197,8 @@ class Calibration:
             f"ms; {self._sharing()} -> device_tflops={self.device_tflops:.3g}, "
             f"layer_overhead_s={costs.layer_overhead_s:.3g}, optimizer_s_per_gb={costs.optimizer_s_per_gb:.3g}, FSDP "
             f"per layer {costs.fsdp_layer_s * 1e3:.2f} ms (kept) / {costs.fsdp_reshard_layer_s * 1e3:.2f} ms "
-            f"(resharded) + optimizer {costs.fsdp_optimizer_layer_s * 1e3:.2f} ms; message latency "
-            f"{costs.latency_s * 1e3:.2f} ms{self._step_extras()}"
+            f"(resharded) + optimizer {costs.fsdp_optimizer_layer_s * 1e3:.2f} ms;{self._weight_pass()} message "
+            f"latency {costs.latency_s * 1e3:.2f} ms{self._step_extras()}"
         )
 
 
@@ -285,6 +294,8 @@ class _LayerTimes:
     fsdp_s: float
     fsdp_reshard_s: float
     fsdp_optimizer_s: float
+    backward_s: float  # at the larger sample count, whole and its weight-gradient pass
+    weight_s: float
 
 
 def _measure(
@@ -324,7 +335,14 @@ def _measure(
         fsdp_pass_s=sum(t.fsdp_s for t in total),
         fsdp_reshard_pass_s=sum(t.fsdp_reshard_s for t in total),
         fsdp_optimizer_s=sum(t.fsdp_optimizer_s for t in total),
+        weight_share=_weight_share(total),
     )
+
+
+def _weight_share(total: Sequence[_LayerTimes]) -> float | None:
+    """Of the model's backward seconds, the weight-gradient passes' (None: no backward measured)."""
+    backward = sum(t.backward_s for t in total)
+    return min(1.0, sum(t.weight_s for t in total) / backward) if backward > 0 else None
 
 
 def _time_layer(
@@ -343,7 +361,8 @@ def _time_layer(
     with autocast:
         few, many = FIT_SAMPLES[0], _slope_samples(plain, x, device)
     inputs = {n: repeated(x, n) for n in (few, many)}
-    runs: dict[str, list[float]] = {name: [] for name in ("few", "many", "kept", "resharded", "adam", "adam_fsdp")}
+    names = ("few", "many", "kept", "resharded", "adam", "adam_fsdp", "forward", "input")
+    runs: dict[str, list[float]] = {name: [] for name in names}
     optimizers = {id(net): _adamw(net) for net in (plain, resharded)}
     start, rounds = time.perf_counter(), 0
     while rounds <= MIN_ROUNDS or time.perf_counter() - start < seconds:
@@ -353,6 +372,8 @@ def _time_layer(
             runs["many"].append(_pass_s(plain, inputs[many], device))
             runs["kept"].append(_pass_s(kept, inputs[few], device))
             runs["resharded"].append(_pass_s(resharded, inputs[few], device))
+            runs["forward"].append(_pass_s(plain, inputs[many], device, until="forward"))
+            runs["input"].append(_pass_s(plain, inputs[many], device, until="input"))
         runs["adam"].append(_step_s(optimizers[id(plain)], device))
         runs["adam_fsdp"].append(_step_s(optimizers[id(resharded)], device))
     median = {name: statistics.median(values[1:]) for name, values in runs.items()}
@@ -367,6 +388,8 @@ def _time_layer(
             fsdp_s=max(median["kept"] - median["few"], 0.0),
             fsdp_reshard_s=max(median["resharded"] - median["few"], 0.0),
             fsdp_optimizer_s=max(median["adam_fsdp"] - median["adam"], 0.0),
+            backward_s=max(median["many"] - median["forward"], 0.0),
+            weight_s=max(median["many"] - median["input"], 0.0),
         ),
         detached(out),
     )
@@ -400,12 +423,17 @@ def _copy_on(layer: nn.Module, device: torch.device, dtype: torch.dtype | None) 
     return twin
 
 
-def _pass_s(net: nn.Module, inputs: Flow, device: torch.device) -> float:
-    """Seconds of one forward + backward (gradient of ones at the output), gradients left in the parameters."""
+def _pass_s(net: nn.Module, inputs: Flow, device: torch.device, until: str = "weight") -> float:
+    """Seconds of one forward + backward (gradient of ones at the output), gradients left in the parameters;
+    `until`: "forward" stops after the forward, "input" after the input gradients (no weight gradients)."""
     inputs = detached(inputs, requires_grad=True)
     synchronize(device)
     start = time.perf_counter()
-    backward(apply(net, inputs))
+    out = apply(net, inputs)
+    if until == "input":
+        input_gradients(out, inputs)
+    elif until == "weight":
+        backward(out)
     synchronize(device)
     return time.perf_counter() - start
 

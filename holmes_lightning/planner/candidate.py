@@ -85,14 +85,14 @@ class Candidate:
         ]
         reruns = [mode.recomputed(len(layers)) for mode in self.checkpointing]
         self.splits = self.schedule.splits_backward
-        per_speed = {}
+        per_speed, shares = {}, self.cost.weight_shares()
         for speed in set(self.hardware.tflops):
             forward, backward = self.cost.microbatch_seconds(speed, mb, dp=dp, pipelined=self.pipelined)
             per_level = [
                 _cumulative([b + f * again for f, b, again in zip(forward, backward, rerun, strict=True)])
                 for rerun in reruns
             ]
-            weight = [b * layer.weight_share if self.splits else 0.0 for b, layer in zip(backward, layers, strict=True)]
+            weight = [b * share if self.splits else 0.0 for b, share in zip(backward, shares, strict=True)]
             per_speed[speed] = (_cumulative(forward), per_level, _cumulative(weight))
         self._forward = [per_speed[speed][0] for speed in self.hardware.tflops]
         self._backward = [per_speed[speed][1] for speed in self.hardware.tflops]  # [stage][level]

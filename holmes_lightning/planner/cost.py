@@ -59,8 +59,10 @@ class MachineCosts:
     pipelined step spends after its schedule in small collectives over every rank (None: the loss's all-reduce at
     latency_s). message_cpu_s: CPU seconds both ends of a pipeline message spend on it, which ranks sharing cores
     lose for computing. device_memory_gb: what a rank may allocate for training (its device's memory less a
-    reserve), a bound on every plan besides the user's `memory_limit_gb` (None: unbounded). See `CostModel` for
-    how each enters the step.
+    reserve), a bound on every plan besides the user's `memory_limit_gb` (None: unbounded). weight_share: of a
+    backward's seconds, what its weight-gradient pass takes (the pass a zero-bubble schedule runs apart), timed on
+    the whole model at calibration; each layer's FLOP share is scaled to it (None: the FLOP shares as they are,
+    `LayerProfile.weight_share`). See `CostModel` for how each enters the step.
     """
 
     efficiency: float = _cost(0.5, (lambda value: value > 0, "use a fraction of peak > 0"))
@@ -78,6 +80,9 @@ class MachineCosts:
     message_cpu_s: float = _cost(0.0)
     device_memory_gb: float | None = _cost(
         None, (lambda value: value is None or value > 0, "use the GB a rank may allocate, or None (unbounded)")
+    )
+    weight_share: float | None = _cost(
+        None, (lambda value: value is None or 0 <= value <= 1, "use a fraction in [0, 1], or None (from the FLOPs)")
     )
 
     def __post_init__(self) -> None:
@@ -151,6 +156,18 @@ class CostModel:
             return [layer.forward_s * scale for layer in layers], [layer.backward_s * scale for layer in layers]
         flops_per_s = device_tflops * 1e12 * self.machine.efficiency
         return [la.forward_flops / flops_per_s for la in layers], [la.backward_flops / flops_per_s for la in layers]
+
+    def weight_shares(self) -> list[float]:
+        """Per layer, the share of its backward's seconds in its weight-gradient pass: its FLOP share, scaled so that
+        the whole model's is the measured `MachineCosts.weight_share` where calibration timed it."""
+        layers, measured = self.profile.layers, self.machine.weight_share
+        shares = [layer.weight_share for layer in layers]
+        backward = sum(layer.backward_flops for layer in layers)
+        counted = sum(share * layer.backward_flops for share, layer in zip(shares, layers, strict=True))
+        if measured is None or counted <= 0:
+            return shares
+        scale = measured * backward / counted
+        return [min(1.0, share * scale) for share in shares]
 
     def microbatch_seconds(
         self, device_tflops: float, microbatch_size: int, *, dp: int = 1, pipelined: bool = True
