@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from holmes_lightning.planner import MachineCosts, StagePlan, simulate
 from holmes_lightning.planner.cost import GLOO_EARLY_BYTES, CostModel
 from holmes_lightning.planner.options import Schedule
-from holmes_lightning.planner.plan_types import virtual_stage
+from holmes_lightning.planner.plan_types import locate_virtual, virtual_stage
+from holmes_lightning.planner.plan_types import virtual_stages as virtual_stages_of
 from holmes_lightning.planner.schedules import held_at_peaks, microbatch_problem, peak_stash, stage_actions
 from holmes_lightning.planner.simulate import Timeline
 from holmes_lightning.topology import NICKind, Topology
@@ -223,3 +224,14 @@ def test_weight_passes_fill_the_bubble_as_the_zero_bubble_paper_counts(schedule,
         v_shaped=Schedule(schedule).v_shaped,
     )
     assert simulate(stages, schedule, m).total_s == pytest.approx(step)
+
+
+@pytest.mark.parametrize("v_shaped", [False, True])
+@pytest.mark.parametrize("pp", [1, 2, 3, 5])
+def test_a_stages_virtual_stages_are_where_locate_virtual_finds_them(pp, v_shaped):
+    """Loop placement: stage s runs s, s + pp; V: s and 2 pp - 1 - s. Every virtual stage is run exactly once."""
+    placed = {k: (s, j) for s in range(pp) for j, k in enumerate(virtual_stages_of(s, 2, pp, v_shaped=v_shaped))}
+    assert sorted(placed) == list(range(2 * pp))
+    assert all(locate_virtual(k, pp, v_shaped=v_shaped) == where for k, where in placed.items())
+    if v_shaped:  # the turn: the last stage runs both the first half's end and the second half's start
+        assert placed[pp - 1] == (pp - 1, 0) and placed[pp] == (pp - 1, 1)

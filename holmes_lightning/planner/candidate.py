@@ -9,7 +9,7 @@ from holmes_lightning.planner.bounds import PathShapes
 from holmes_lightning.planner.cost import CostModel
 from holmes_lightning.planner.layout import Layout, StageHardware
 from holmes_lightning.planner.options import Backend, Checkpointing, Schedule
-from holmes_lightning.planner.plan_types import StagePlan, StepPrediction, locate_virtual, virtual_stage
+from holmes_lightning.planner.plan_types import StagePlan, StepPrediction, locate_virtual, virtual_stages
 from holmes_lightning.planner.profile import ModelProfile
 from holmes_lightning.planner.schedules import held_at_peaks, peak_stash
 from holmes_lightning.planner.sharing import CoreSharing
@@ -162,8 +162,10 @@ class Candidate:
 
     def message_cpu_s(self, virtual_stage: int, *, backward: bool = False) -> float:
         """The CPU of the message a virtual stage's forward (to the next) or backward (to the previous) sends."""
-        link = (self._out_links[virtual_stage - 1] if virtual_stage > 0 else None) if backward else None
-        sends = link is not None if backward else self._out_links[virtual_stage] is not None
+        if backward:
+            sends = virtual_stage > 0 and self._out_links[virtual_stage - 1] is not None
+        else:
+            sends = self._out_links[virtual_stage] is not None
         return self.cost.pass_message_cpu_s if sends else 0.0
 
     def early_s(self, virtual_stage: int, stop: int) -> float:
@@ -418,11 +420,6 @@ def predict_step(
         tflops_per_device=profile.flops_per_sample * samples * per_s / world / 1e12,
         memory_gb=max(s.memory_gb for s in stages),
     )
-
-
-def virtual_stages(stage: int, chunks: int, pp: int, *, v_shaped: bool = False) -> list[int]:
-    """The virtual stages a stage runs, chunk by chunk."""
-    return [virtual_stage(stage, chunk, pp, v_shaped=v_shaped) for chunk in range(chunks)]
 
 
 def _cumulative(values: list[float]) -> list[float]:

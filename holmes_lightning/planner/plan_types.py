@@ -160,8 +160,7 @@ class Plan:
 
     def virtual_stages(self, stage: int) -> tuple[int, ...]:
         """The virtual pipeline stages `stage` runs, one per chunk, in its schedule's placement (`virtual_stage`)."""
-        v_shaped = self.schedule.v_shaped
-        return tuple(virtual_stage(stage, c, self.pp, v_shaped=v_shaped) for c in range(self.chunks_per_stage))
+        return tuple(virtual_stages(stage, self.chunks_per_stage, self.pp, v_shaped=self.schedule.v_shaped))
 
     def holds_first(self, stage: int) -> bool:
         """`stage` runs virtual stage 0: it feeds the inputs."""
@@ -225,6 +224,11 @@ def virtual_stage(stage: int, chunk: int, pp: int, *, v_shaped: bool = False) ->
     if v_shaped and chunk % 2:
         return (chunk + 1) * pp - 1 - stage
     return stage + chunk * pp
+
+
+def virtual_stages(stage: int, chunks: int, pp: int, *, v_shaped: bool = False) -> list[int]:
+    """The virtual stages `stage` runs, chunk by chunk (`virtual_stage`)."""
+    return [virtual_stage(stage, chunk, pp, v_shaped=v_shaped) for chunk in range(chunks)]
 
 
 def locate_virtual(virtual: int, pp: int, *, v_shaped: bool = False) -> tuple[int, int]:
