@@ -168,6 +168,7 @@ class _Search:
         self.best: tuple[tuple[int, ...], float] | None = None
         self.pp, self.chunks, self.virtual = candidate.layout.pp, candidate.chunks, candidate.virtual
         self.m, self.layers = candidate.microbatches, candidate.num_layers
+        self.chunk_costs: dict[tuple, tuple[float, float, float, float, float] | None] = {}
 
     def extend(self, path: _Path, v: int, bound: float) -> None:
         """Try every layer range for virtual stage `v`, cheapest bound first; the path bounds (the costly ones) are
@@ -241,11 +242,25 @@ class _Search:
         self, path: _Path, v: int, start: int, stop: int
     ) -> tuple[float, float, float, float, float] | None:
         """(forward, backward, send, tail, weight) of virtual stage v holding layers [start, stop) after its stage's
-        earlier chunks (one chunk per stage: `range_cost`, which caches them); tail 0 until the stage is complete."""
+        earlier chunks (one chunk per stage: `range_cost`, which caches them); tail 0 until the stage is complete.
+        Kept per v and its stage's ranges so far, which fix them (each earlier chunk's passes follow from its range
+        and those before it)."""
+        c = self.candidate
+        stage, chunk = c.located[v]
+        ranges = [(path.start(u), path.stops[u]) for u in c.own[stage][:chunk]] + [(start, stop)]
+        key = (v, *ranges)
+        if key not in self.chunk_costs:
+            self.chunk_costs[key] = self._new_chunk_costs(path, v, ranges)
+        return self.chunk_costs[key]
+
+    def _new_chunk_costs(
+        self, path: _Path, v: int, ranges: list[tuple[int, int]]
+    ) -> tuple[float, float, float, float, float] | None:
+        """`_chunk_costs` of virtual stage v, its stage's chunks so far over `ranges` (its own last)."""
         c = self.candidate
         stage, chunk = c.located[v]
         earlier = c.own[stage][:chunk]
-        ranges = [(path.start(u), path.stops[u]) for u in earlier] + [(start, stop)]
+        start, stop = ranges[-1]
         params = sum(c.param_bytes(a, b) for a, b in ranges)
         level = c.level(stage, params, ranges)
         if level is None:
