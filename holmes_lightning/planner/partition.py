@@ -28,6 +28,7 @@ A branch whose bound cannot beat `bar` is cut; every split that survives to the 
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -62,6 +63,8 @@ class _Path:
     trip: list[float] = field(default_factory=lambda: [0.0])  # trip[v]: work and both sends of virtual stages < v
     down: list[float] = field(default_factory=lambda: [0.0])  # down[v]: backwards and sends of virtual stages < v
     last_forward: list[float] = field(default_factory=list)  # when its last micro-batch's forward ends, at least
+    # per stage, running sums of one micro-batch's every pass through its assigned virtual stages (0.0 first)
+    stage_work: defaultdict[int, list[float]] = field(default_factory=lambda: defaultdict(lambda: [0.0]))
     tails: dict[int, float] = field(default_factory=dict)  # per complete stage: its exposed sync and optimizer step
 
     def start(self, v: int) -> int:
@@ -99,11 +102,13 @@ class _Child:
         path.trip.append(path.trip[-1] + self.forward + self.backward + 2 * self.send)
         path.down.append(path.down[-1] + self.backward + self.send)
         path.last_forward.append(self.last_forward)
+        work = path.stage_work[self.stage]
+        work.append(work[-1] + (self.forward + self.backward + self.weight))
         if self.tail is not None:
             path.tails[self.stage] = self.tail
 
-    @staticmethod
-    def pop(path: _Path) -> None:
+    def pop(self, path: _Path) -> None:
+        path.stage_work[self.stage].pop()
         for values in (
             path.forward,
             path.backward,
@@ -199,7 +204,7 @@ class _Search:
                 continue
             child.push(path)
             self.extend(path, v + 1, full)
-            _Child.pop(path)
+            child.pop(path)
             if self.first and self.best is not None:
                 return
 
@@ -211,7 +216,7 @@ class _Search:
         if costs is None:
             return None
         forward, backward, send, tail, weight = costs
-        work = self._work(path, c.own[stage][:chunk]) + forward + backward + weight
+        work = path.stage_work[stage][-1] + forward + backward + weight
         ends = 0.0
         if chunk == chunks - 1:  # the stage is complete: its tail follows its last action, chunk 0's last backward
             ends = path.down[v] - path.down[stage] + tail
@@ -259,7 +264,6 @@ class _Search:
         """`_chunk_costs` of virtual stage v, its stage's chunks so far over `ranges` (its own last)."""
         c = self.candidate
         stage, chunk = c.located[v]
-        earlier = c.own[stage][:chunk]
         start, stop = ranges[-1]
         params = sum(c.param_bytes(a, b) for a, b in ranges)
         level = c.level(stage, params, ranges)
@@ -269,14 +273,9 @@ class _Search:
         weight = c.weight_s(stage, start, stop)
         tail = 0.0
         if chunk == self.chunks - 1:  # its last chunk: the stage is complete
-            work = self._work(path, earlier) + forward + backward + weight
+            work = path.stage_work[stage][-1] + forward + backward + weight
             tail = c.tail_s(stage, params, sum(b - a for a, b in ranges), work)
         return forward, backward, c.send_s(v, stop), tail, weight
-
-    @staticmethod
-    def _work(path: _Path, virtual: Sequence[int]) -> float:
-        """One micro-batch's every pass through these assigned virtual stages."""
-        return sum(path.forward[u] + path.backward[u] + path.weight[u] for u in virtual)
 
     def _load_s(self, path: _Path, v: int, stage: int, work: float, next_head: float, stop: int) -> float:
         """Several chunks per stage: the stages with chunks left share the layers left, each after its own first
@@ -286,7 +285,7 @@ class _Search:
         for s, own in enumerate(c.own):
             if own[-1] <= v:  # complete: its whole path is in the bound already
                 continue
-            known = work if s == stage else self._work(path, [u for u in own if u < v])
+            known = work if s == stage else path.stage_work[s][-1]
             bases.append((path.head[s] if s <= v else next_head) + m * known)
             rates.append(m * c.slowdown[s])
         return water_level_s(bases, rates, c.base_work_s(stop, self.layers))
