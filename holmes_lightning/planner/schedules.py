@@ -129,6 +129,10 @@ class _Counter:
         self.next[(chunk, kind)] = microbatch + 1
         return microbatch
 
+    def forward(self, chunk: int) -> Action:
+        """The chunk's next forward."""
+        return Action(False, chunk, self.take(chunk, "forward"))
+
 
 def _zero_bubble_v(stage: int, pp: int, microbatches: int) -> list[Action]:
     """torch's ScheduleZBVZeroBubble on V placement (chunk 0 is virtual stage `stage`, chunk 1 is 2 pp - 1 - stage).
@@ -138,9 +142,7 @@ def _zero_bubble_v(stage: int, pp: int, microbatches: int) -> list[Action]:
     chunks' forward, input and weight passes, and a cool-down of input passes whose weight passes come last.
     """
     planned, count = max(2 * pp - 1, microbatches), _Counter()
-
-    def forward(chunk: int) -> Action:
-        return Action(False, chunk, count.take(chunk, "forward"))
+    forward = count.forward
 
     def input_and_weight(chunk: int) -> list[Action]:
         microbatch = count.take(chunk, INPUT)
@@ -175,9 +177,7 @@ def _dual_pipe_v(stage: int, pp: int, microbatches: int) -> list[Action]:
     drains into the gaps (step numbers as in torch's code).
     """
     count, queued = _Counter(), []  # queued: (chunk, micro-batch) of input passes whose weight pass is to come
-
-    def forward(chunk: int) -> Action:
-        return Action(False, chunk, count.take(chunk, "forward"))
+    forward = count.forward
 
     def backward(chunk: int, *, split: bool = False) -> Action:
         microbatch = count.take(chunk, INPUT)
