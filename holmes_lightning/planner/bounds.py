@@ -182,6 +182,8 @@ class OneChunkWalk:
     def waits_s(self, forward: float, backward: float, up: float, down: float, closing: bool = False) -> float:
         """At least how long the stage idles on transfers between its actions (`gaps`; `up`: a transfer to the next
         virtual stage, `down`: to the previous); `closing`: only around the backwards after its last forward."""
+        if not self.gaps:
+            return 0.0
         return (self.closing_gaps if closing else self.gap_counts).seconds(forward, backward, up, down)
 
     def path_s(

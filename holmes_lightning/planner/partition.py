@@ -23,6 +23,8 @@ stage below waits for; its weight passes, which nothing waits for, count only in
 
 A branch whose bound cannot beat `bar` is cut; every split that survives to the end is simulated
 (`Candidate.step_s`). So the split returned has the least simulated step, or none if no split gets below `bar`.
+A stage's work only grows with the layers of a range, and without a memory ceiling (or with one checkpointing level)
+so does its memory: once a range's stage alone reaches `bar` or the memory limit, no longer range is tried.
 """
 
 from __future__ import annotations
@@ -174,6 +176,8 @@ class _Search:
         self.pp, self.chunks, self.virtual = candidate.layout.pp, candidate.chunks, candidate.virtual
         self.m, self.layers = candidate.microbatches, candidate.num_layers
         self.chunk_costs: dict[tuple, tuple[float, float, float, float, float] | None] = {}
+        # a range too big stays so with more layers, unless more of them could turn on checkpointing that fits a ceiling
+        self.monotone_memory = candidate.memory_ceiling is None or len(candidate.checkpointing) == 1
 
     def extend(self, path: _Path, v: int, bound: float) -> None:
         """Try every layer range for virtual stage `v`, cheapest bound first; the path bounds (the costly ones) are
@@ -184,19 +188,29 @@ class _Search:
             return
         start, later = path.start(v), self.virtual - 1 - v
         stops = range(self.layers, self.layers + 1) if later == 0 else range(start + 1, self.layers - later + 1)
-        children = []
+        stage, children = self.candidate.located[v][0], []
         for stop in stops:
-            child = self._child(path, v, start, stop, bound)
-            if child is None:
+            costs = self._costs(path, v, start, stop)
+            if costs is None:
+                if self.monotone_memory:  # and more so with more layers
+                    self.stats.too_big += len(stops) - (stop - stops.start)
+                    break
                 self.stats.too_big += 1
-            else:
-                children.append(child)
+                continue
+            forward, backward, _, _, weight = costs
+            busy = self.m * (path.stage_work[stage][-1] + forward + backward + weight)
+            if (path.head[stage] + busy) * (1 - ROUNDING) >= self.bar:  # and more so with more layers
+                self.stats.cut += len(stops) - (stop - stops.start)
+                break
+            children.append(self._child(path, v, start, stop, bound, costs))
         children.sort(key=lambda child: child.bound)
         for tried, child in enumerate(children):
             if child.bound * (1 - ROUNDING) >= self.bar:
                 self.stats.cut += len(children) - tried
                 return
             full = max(child.bound, self._virtual_path_s(path, child))
+            if self.chunks > 1 and v < self.virtual - 1:
+                full = max(full, self._load_s(path, child))
             if child.tail is not None and self.chunks > 1:
                 full = max(full, self._stage_path_s(path, child))
             if full * (1 - ROUNDING) >= self.bar:
@@ -208,13 +222,19 @@ class _Search:
             if self.first and self.best is not None:
                 return
 
-    def _child(self, path: _Path, v: int, start: int, stop: int, bound: float) -> _Child | None:
-        """Virtual stage v holding layers [start, stop) (None: its stage goes over the memory limit)."""
+    def _costs(self, path: _Path, v: int, start: int, stop: int) -> tuple[float, float, float, float, float] | None:
+        """(forward, backward, send, tail, weight) of virtual stage v holding layers [start, stop) after the path
+        (None: its stage goes over the memory limit)."""
+        if self.chunks == 1:
+            return self.candidate.range_cost(v, start, stop)
+        return self._chunk_costs(path, v, start, stop)
+
+    def _child(
+        self, path: _Path, v: int, start: int, stop: int, bound: float, costs: tuple[float, float, float, float, float]
+    ) -> _Child:
+        """Virtual stage v holding layers [start, stop), of `costs` (`_costs`)."""
         c, chunks, m = self.candidate, self.chunks, self.m
         stage, chunk = c.located[v]
-        costs = c.range_cost(v, start, stop) if chunks == 1 else self._chunk_costs(path, v, start, stop)
-        if costs is None:
-            return None
         forward, backward, send, tail, weight = costs
         work = path.stage_work[stage][-1] + forward + backward + weight
         ends = 0.0
@@ -239,20 +259,18 @@ class _Search:
                 next_head + self.tables.reach[v + 1][stop],
                 next_head + drain + send + backward + self.tables.relay[v + 1][stop],
             )
-            if chunks > 1:
-                bound = max(bound, self._load_s(path, v, stage, work, next_head, stop))
         return _Child(v, stage, start, stop, forward, backward, weight, send, tail, drain, bound, last_forward)
 
     def _chunk_costs(
         self, path: _Path, v: int, start: int, stop: int
     ) -> tuple[float, float, float, float, float] | None:
         """(forward, backward, send, tail, weight) of virtual stage v holding layers [start, stop) after its stage's
-        earlier chunks (one chunk per stage: `range_cost`, which caches them); tail 0 until the stage is complete.
-        Kept per v and its stage's ranges so far, which fix them (each earlier chunk's passes follow from its range
+        earlier chunks (several chunks per stage); tail 0 until the stage is complete. Kept per v and its stage's ranges so far, which fix them (each earlier chunk's passes follow from its range
         and those before it)."""
         c = self.candidate
         stage, chunk = c.located[v]
-        ranges = [(path.start(u), path.stops[u]) for u in c.own[stage][:chunk]] + [(start, stop)]
+        ranges = [(path.start(u), path.stops[u]) for u in c.own[stage][:chunk]] if chunk else []
+        ranges.append((start, stop))
         key = (v, *ranges)
         if key not in self.chunk_costs:
             self.chunk_costs[key] = self._new_chunk_costs(path, v, ranges)
@@ -277,10 +295,12 @@ class _Search:
             tail = c.tail_s(stage, params, sum(b - a for a, b in ranges), work)
         return forward, backward, c.send_s(v, stop), tail, weight
 
-    def _load_s(self, path: _Path, v: int, stage: int, work: float, next_head: float, stop: int) -> float:
-        """Several chunks per stage: the stages with chunks left share the layers left, each after its own first
-        forward and the work it has (`water_level_s`)."""
-        c, m = self.candidate, self.m
+    def _load_s(self, path: _Path, child: _Child) -> float:
+        """Several chunks per stage, `child` not the last virtual stage: the stages with chunks left share the layers
+        left, each after its own first forward and the work it has (`water_level_s`)."""
+        c, m, v, stage, stop = self.candidate, self.m, child.v, child.stage, child.stop
+        work = path.stage_work[stage][-1] + child.forward + child.backward + child.weight
+        next_head = path.head[v] + child.forward + child.send
         bases, rates = [], []
         for s, own in enumerate(c.own):
             if own[-1] <= v:  # complete: its whole path is in the bound already
