@@ -265,8 +265,8 @@ class _Search:
         self, path: _Path, v: int, start: int, stop: int
     ) -> tuple[float, float, float, float, float] | None:
         """(forward, backward, send, tail, weight) of virtual stage v holding layers [start, stop) after its stage's
-        earlier chunks (several chunks per stage); tail 0 until the stage is complete. Kept per v and its stage's ranges so far, which fix them (each earlier chunk's passes follow from its range
-        and those before it)."""
+        earlier chunks (several chunks per stage); tail 0 until the stage is complete. Kept per v and its stage's
+        ranges so far, which fix them (each earlier chunk's passes follow from its range and those before it)."""
         c = self.candidate
         stage, chunk = c.located[v]
         ranges = [(path.start(u), path.stops[u]) for u in c.own[stage][:chunk]] if chunk else []
