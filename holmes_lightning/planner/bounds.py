@@ -448,7 +448,8 @@ class SuffixBounds:
     stage t) + stage t's path + its tail (0 with several chunks per stage: it depends on them all): its path measured
     from stage u's first forward. `relay[u][x]`: the same with the way back (backwards and sends below t) instead of
     the tail. A virtual stage's path is `one_chunk_path_s` of its chunk's actions with the least round trip above it
-    (`paths[(u, x, y)]`). math.inf: no split fits.
+    (`paths[(u, x, y)]`; `climbs`: the same paths as the split search takes them, from the range's costs and sends,
+    kept for it where they follow from the range alone). math.inf: no split fits.
 
     Splits only count if they could make a step below `bar`: a stage whose path and tail alone reach it cannot be in
     one, so the round trip cannot dodge the bottleneck by putting every layer on the fastest stage.
@@ -458,6 +459,7 @@ class SuffixBounds:
     reach: list[list[float]]
     relay: list[list[float]]
     paths: dict[tuple[int, int, int], float] = field(default_factory=dict)
+    climbs: dict[tuple[int, int, int], float] = field(default_factory=dict)
     bar: float = math.inf
 
     @classmethod

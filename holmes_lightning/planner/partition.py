@@ -176,6 +176,9 @@ class _Search:
         self.pp, self.chunks, self.virtual = candidate.layout.pp, candidate.chunks, candidate.virtual
         self.m, self.layers = candidate.microbatches, candidate.num_layers
         self.chunk_costs: dict[tuple, tuple[float, float, float, float, float] | None] = {}
+        # a virtual stage's path less its head follows from its range: its costs do (one chunk per stage), and no
+        # cycle down counts (no stage runs a forward after a backward, as in GPipe)
+        self.ranged_paths = self.chunks == 1 and all(turn < 0 for turns in candidate.shapes.descents for turn in turns)
         # a range too big stays so with more layers, unless more of them could turn on checkpointing that fits a ceiling
         self.monotone_memory = candidate.memory_ceiling is None or len(candidate.checkpointing) == 1
 
@@ -323,6 +326,13 @@ class _Search:
             if key not in paths:
                 paths[key] = walk.path_s(child.forward, child.backward, excursion, child.weight, child.send)
             return paths[key] + child.drain
+        if self.ranged_paths:
+            key = (v, child.start, child.stop)
+            if key not in self.tables.climbs:
+                self.tables.climbs[key] = one_chunk_path_s(
+                    walk, child.forward, child.backward, excursion, (), child.weight, child.send, path.send[v - 1]
+                )
+            return path.head[v] + self.tables.climbs[key] + child.drain
         descents = [(shapes.descents[u], path.trip[v] - path.trip[u]) for u in range(max(0, v - DESCENTS), v)]
         path_s = one_chunk_path_s(
             walk, child.forward, child.backward, excursion, descents, child.weight, child.send, path.send[v - 1]
