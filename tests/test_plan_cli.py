@@ -117,3 +117,18 @@ def test_an_hf_model_is_planned_from_its_config_in_the_training_dtype(capsys):
 def test_your_own_module_is_planned_by_the_strategy_not_the_cli():
     with pytest.raises(ConfigError, match=r"model._target_=my_package.Model: the plan CLI plans the GPT"):
         run(composed("model=gpt_tiny", "model._target_=my_package.Model"))
+
+
+def test_cli_puts_diloco_per_grouping_of_sites_next_to_one_pipeline(capsys):
+    run(composed("cluster=multi_site", "model=gpt_small", "diloco.sync_every=50", "diloco.outer_bits=4"))
+    out = capsys.readouterr().out
+    assert "pseudo-gradients of 4 bits all-reduced every 50 steps" in out
+    rows = [line.split() for line in out.splitlines() if line.lstrip().startswith(("pipeline ", "diloco "))]
+    assert [row[:2] for row in rows] == [["pipeline", "one"], ["diloco", "A+B"], ["diloco", "A"]]
+    run(composed("cluster=ib_only", "model=gpt_small"))
+    assert "Across sites" not in capsys.readouterr().out  # one cluster: nothing to compare
+
+
+def test_cli_refuses_bad_diloco_settings_naming_the_field():
+    with pytest.raises(ConfigError, match="diloco.outer_bits=12: use 32, 16, 8 or 4"):
+        composed("diloco.outer_bits=12")

@@ -11,6 +11,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.errors import ConfigCompositionException, OverrideParseException
 
 from holmes_lightning.planner import MachineCosts, PlanOptions, SettingError
+from holmes_lightning.planner.sites import DiLoCoSettings
 from holmes_lightning.topology import ConfigEnum
 from holmes_lightning.topology.spec import ClusterSpec
 
@@ -302,6 +303,24 @@ class PlanConfig:
 
 
 @dataclass
+class DiLoCoConfig:
+    """DiLoCo across sites, as the plan CLI predicts it next to one pipeline (`planner.sites`): `sync_every` inner
+    steps between outer steps (H), `outer_bits` per pseudo-gradient value sent (32, or 16, 8, 4: quantised as Streaming
+    DiLoCo does), `streaming`: the outer all-reduce runs during the next inner steps."""
+
+    sync_every: int = 500
+    outer_bits: int = 32
+    streaming: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.sync_every >= 1, "diloco.sync_every", self.sync_every, "use at least 1 inner step per outer step")
+        _require(self.outer_bits in (4, 8, 16, 32), "diloco.outer_bits", self.outer_bits, "use 32, 16, 8 or 4")
+
+    def settings(self) -> DiLoCoSettings:
+        return DiLoCoSettings(self.sync_every, self.outer_bits, self.streaming)
+
+
+@dataclass
 class PlanJobConfig:
     """`python -m holmes_lightning.cli.plan`: the job's hardware, model, batch and strategy, planned without running."""
 
@@ -310,6 +329,7 @@ class PlanJobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
 
 
 def register_configs() -> None:

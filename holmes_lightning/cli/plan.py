@@ -1,9 +1,10 @@
 """`python -m holmes_lightning.cli.plan cluster=two_cluster_mixed model=gpt_7_5b [plan.out=plan.png]`: plan, don't run.
 
 Prints the topology (with the links between each pair of clusters), Holmes' plan (rank map, stages and their layers,
-DP groups with NIC kind and link speed) and the predicted step of Holmes next to the alternatives; `plan.verbose=true`
-adds what the search did, `plan.out` draws the cluster map and timelines, `plan.json` writes Holmes' plan for
-`Plan.from_json`.
+DP groups with NIC kind and link speed) and the predicted step of Holmes next to the alternatives; with several
+clusters, one pipeline across them next to DiLoCo over each way of seeing them as sites (`diloco.*`).
+`plan.verbose=true` adds what the search did, `plan.out` draws the cluster map and timelines, `plan.json` writes
+Holmes' plan for `Plan.from_json`.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from omegaconf import DictConfig, OmegaConf
 from holmes_lightning.cli.config import ConfigError, HFModelConfig, ModelConfig, PlanJobConfig, register_configs
 from holmes_lightning.planner import BatchSettings, ModelProfile, PlanError, compare_plans
 from holmes_lightning.planner.draw import draw_plans
-from holmes_lightning.planner.report import format_comparison, format_plan
+from holmes_lightning.planner.report import format_comparison, format_cross_site, format_plan
 from holmes_lightning.planner.search import SearchStats
+from holmes_lightning.planner.sites import compare_cross_site
 from holmes_lightning.topology import Topology, TopologyError, config_dir
 
 register_configs()
@@ -44,6 +46,20 @@ def run(config: PlanJobConfig) -> dict:
     print(format_plan(plans["holmes"], profile))
     print()
     print(format_comparison(plans))
+    if len(topology.spec.clusters) > 1:
+        settings = config.diloco.settings()
+        parameters = profile.param_bytes / knobs.bytes_per_value
+        found, problems = compare_cross_site(
+            topology,
+            profile,
+            batch,
+            parameters=parameters,
+            settings=settings,
+            options=strategy.settings(),
+            costs=strategy.machine_costs(),
+        )
+        print()
+        print(format_cross_site(plans["holmes"], found, problems, settings))
     if knobs.json:
         Path(knobs.json).write_text(plans["holmes"].to_json())
         print(f"\nwrote {knobs.json}")

@@ -1,9 +1,13 @@
-"""Plain-text views of plans: the rank map, the stages and a side-by-side comparison of alternatives."""
+"""Plain-text views of plans: the rank map, the stages, a side-by-side comparison of alternatives, and of one
+pipeline across sites against DiLoCo."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from holmes_lightning.planner.plan_types import Plan, StagePlan
 from holmes_lightning.planner.profile import ModelProfile
+from holmes_lightning.planner.sites import DiLoCoPrediction, DiLoCoSettings
 
 
 def format_plan(plan: Plan, profile: ModelProfile | None = None) -> str:
@@ -69,6 +73,34 @@ def format_comparison(plans: dict[str, Plan], reference: str = "holmes") -> str:
         )
     if any(line.split()[0].endswith("*") for line in lines[2:]):
         lines.append("  * DP groups span clusters or NIC kinds: not a Holmes layout (each DP group on one fabric)")
+    return "\n".join(lines)
+
+
+def format_cross_site(
+    pipeline: Plan, predictions: Sequence[DiLoCoPrediction], problems: Sequence[str], settings: DiLoCoSettings
+) -> str:
+    """Holmes' one pipeline across the clusters next to DiLoCo over each way of seeing them as sites."""
+    streaming = "streamed during the next inner steps" if settings.streaming else "after them"
+    lines = [
+        f"Across sites: one pipeline, or DiLoCo (a replica per site planned by Holmes, pseudo-gradients of "
+        f"{settings.outer_bits} bits all-reduced every {settings.sync_every} steps, {streaming}):",
+        f"  {'mode':<10}{'sites':<16}{'samples/site':<14}{'pp x dp':<16}{'inner step s':>12}"
+        f"{'outer sync (link)':>24}{'exposed/step':>14}{'tokens/s':>12}  vs pipeline",
+    ]
+    p = pipeline.prediction
+    lines.append(
+        f"  {'pipeline':<10}{'one job':<16}{'':<14}{f'{pipeline.pp}x{pipeline.dp}':<16}{p.total_s:>12.4g}{'':>24}"
+        f"{'':>14}{p.tokens_per_s:>12,.0f}  1.00x"
+    )
+    for d in predictions:
+        degrees = ",".join(f"{plan.pp}x{plan.dp}" for plan in d.plans)
+        sync = f"{_ms(d.outer_sync_s)} ({d.link.gbps:g} Gb/s)"
+        lines.append(
+            f"  {'diloco':<10}{d.label:<16}{','.join(map(str, d.batches)):<14}{degrees:<16}{d.inner_step_s:>12.4g}"
+            f"{sync:>24}{_ms(d.exposed_sync_s / d.sync_every):>14}{d.tokens_per_s:>12,.0f}  "
+            f"{d.tokens_per_s / p.tokens_per_s:.2f}x"
+        )
+    lines += [f"  diloco {problem}" for problem in problems]
     return "\n".join(lines)
 
 
