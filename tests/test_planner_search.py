@@ -20,6 +20,7 @@ from holmes_lightning.planner import (
     ModelProfile,
     PlanError,
     PlanOptions,
+    Schedule,
     Sharding,
     best_plan,
     compare_plans,
@@ -343,3 +344,19 @@ def test_a_cluster_less_any_of_its_nodes_plans_or_is_refused_with_a_reason(topol
         return
     assert plan.world_size == survivors.world_size
     assert limit is None or plan.prediction.memory_gb <= limit
+
+
+def test_a_reporting_search_says_how_it_goes_and_plans_the_same():
+    topology = Topology.from_config("paper_4ib_4roce")
+    profile = ModelProfile.from_gpt(ModelConfig(name="deep", n_layers=12, d_model=512, n_heads=8, seq_len=256))
+    options, batch = PlanOptions(schedule=Schedule.Interleaved1F1B), BatchSettings(64)
+    lines: list[str] = []
+    stats = SearchStats.reporting(lines.append, every_s=0.0)
+    assert best_plan(topology, profile, batch, options=options, stats=stats) == best_plan(
+        topology, profile, batch, options=options
+    )
+    announced = [line for line in lines if line.endswith(" so far") and " next, " in line]
+    assert len(announced) >= stats.searched > 0  # every split search, the least-memory pass's too
+    assert all(line.startswith("planning: splitting pp=") and "Interleaved1F1B" in line for line in lines)
+    visited = [line for line in lines if "partial splits visited" in line]
+    assert len(visited) >= stats.partitions.nodes // 1024 > 0  # and on its way, every 1024 partial splits

@@ -37,7 +37,7 @@ def run(config: PlanJobConfig) -> dict:
         f"global batch {config.data.global_batch} x {profile.tokens_per_sample} tokens\n"
     )
     batch = BatchSettings(config.data.global_batch, strategy.microbatches)
-    stats = SearchStats()
+    stats = SearchStats.reporting(lambda line: print(line, flush=True))
     plans = compare_plans(
         topology, profile, batch, options=strategy.settings(), costs=strategy.machine_costs(), stats=stats
     )

@@ -122,6 +122,13 @@ class Candidate:
             return None
         return self.hardware.send_links[sender if receiver == (sender + 1) % self.layout.pp else receiver]
 
+    def describe(self) -> str:
+        """The candidate in a few words, for progress reports."""
+        return (
+            f"pp={self.layout.pp} x dp={self.layout.dp}, {self.schedule.value}, {self.microbatches} micro-batches, "
+            f"{self.cost.sharding.value}"
+        )
+
     @property
     def num_layers(self) -> int:
         return self.cost.profile.num_layers

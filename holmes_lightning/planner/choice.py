@@ -201,9 +201,8 @@ def _least_memory(
     while high - low > MEMORY_RESOLUTION * peak:
         stats.memory_searches += 1
         middle = (low + high) / 2
-        found = search(
-            candidates(middle), fixed, SearchStats(), lambda *_: None, ceiling=slowest, first=True, tables=tables
-        )
+        apart = SearchStats.reporting(stats.partitions.report, stats.partitions.report_every_s)  # counted apart
+        found = search(candidates(middle), fixed, apart, lambda *_: None, ceiling=slowest, first=True, tables=tables)
         if found is None:
             low = middle
         else:
@@ -373,10 +372,11 @@ def best_plan_per_replica(
     *,
     options: PlanOptions | None = None,
     costs: MachineCosts | None = None,
+    stats: SearchStats | None = None,
 ) -> Plan:
     """The best plan when each DP replica takes `replica_batch` samples per step, as a DataLoader of that batch size
     does under DDP (the global batch is then `replica_batch` x dp): the one of most tokens per second over the DP
-    degrees the options allow, each planned by `best_plan`."""
+    degrees the options allow, each planned by `best_plan` (`stats`: filled with what all the searches did)."""
     options = options or PlanOptions()
     if options.dp is not None:
         degrees = [options.dp]
@@ -388,7 +388,7 @@ def best_plan_per_replica(
     for dp in degrees:
         batch = BatchSettings(replica_batch * dp)
         try:
-            plans.append(best_plan(topology, profile, batch, options=replace(options, dp=dp), costs=costs))
+            plans.append(best_plan(topology, profile, batch, options=replace(options, dp=dp), costs=costs, stats=stats))
         except PlanError as error:
             problems.append(f"dp={dp} (global batch {batch.global_batch}): {str(error).splitlines()[-1].strip()}")
     if not plans:

@@ -30,8 +30,9 @@ so does its memory: once a range's stage alone reaches `bar` or the memory limit
 from __future__ import annotations
 
 import math
+import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from holmes_lightning.planner.bounds import ROUNDING, SuffixBounds, one_chunk_path_s, stage_path_s, water_level_s
@@ -39,16 +40,27 @@ from holmes_lightning.planner.candidate import Candidate
 
 REBUILD = 0.98  # rebuild the suffix tables for a search once the bar fell below this share of theirs
 DESCENTS = 3  # cycles down to this many virtual stages below one count in its path bound
+PROGRESS_NODES = 1024  # partial splits between checks whether a progress report is due
 
 
 @dataclass
 class PartitionStats:
-    """What one or more partition searches did."""
+    """What one or more partition searches did; `report`, if given, gets a line on how a search goes at most every
+    `report_every_s` seconds (`progress`), so a long search shows it is moving."""
 
     nodes: int = 0
     cut: int = 0
     simulated: int = 0
     too_big: int = 0
+    report: Callable[[str], None] | None = None
+    report_every_s: float = 10.0
+    reported_at: float = field(default_factory=time.monotonic)
+
+    def progress(self, describe: Callable[[], str]) -> None:
+        """Report `describe()` if a report is due."""
+        if self.report is not None and time.monotonic() - self.reported_at >= self.report_every_s:
+            self.report(describe())
+            self.reported_at = time.monotonic()
 
 
 @dataclass
@@ -186,6 +198,8 @@ class _Search:
         """Try every layer range for virtual stage `v`, cheapest bound first; the path bounds (the costly ones) are
         added when a child is about to be expanded."""
         self.stats.nodes += 1
+        if self.stats.nodes % PROGRESS_NODES == 0:
+            self.stats.progress(self._describe)
         if v == self.virtual:
             self._finish(path)
             return
@@ -224,6 +238,13 @@ class _Search:
             child.pop(path)
             if self.first and self.best is not None:
                 return
+
+    def _describe(self) -> str:
+        best = "none yet" if self.bar == math.inf else f"{self.bar:.4g} s"
+        return (
+            f"planning: splitting {self.candidate.describe()}; searches so far: {self.stats.nodes:,} partial splits "
+            f"visited, {self.stats.simulated:,} simulated; the step to beat {best}"
+        )
 
     def _costs(self, path: _Path, v: int, start: int, stop: int) -> tuple[float, float, float, float, float] | None:
         """(forward, backward, send, tail, weight) of virtual stage v holding layers [start, stop) after the path

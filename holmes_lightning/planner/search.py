@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from holmes_lightning.planner.bounds import SuffixBounds, water_level_s
 from holmes_lightning.planner.candidate import Candidate
@@ -44,6 +45,11 @@ class SearchStats:
     searched: int = 0
     memory_searches: int = 0
     partitions: PartitionStats = field(default_factory=PartitionStats)
+
+    @classmethod
+    def reporting(cls, report: Callable[[str], None] | None, every_s: float = 10.0) -> SearchStats:
+        """Stats whose searches send `report` (None: nothing) a line on how they go at most every `every_s` s."""
+        return cls(partitions=PartitionStats(report=report, report_every_s=every_s))
 
     def summary(self) -> str:
         p = self.partitions
@@ -163,6 +169,7 @@ def search(
             stats.cut_tables += 1
             continue
         stats.searched += 1
+        stats.partitions.progress(partial(_next_search, candidate, best))
         found = search_partition(candidate, bar, stats.partitions, kept, first=first)
         if found is not None:
             offer(preference, candidate, *found)
@@ -171,6 +178,11 @@ def search(
         elif bar == math.inf:
             infeasible(candidate, None)
     return best
+
+
+def _next_search(candidate: Candidate, best: Found | None) -> str:
+    so_far = "none yet" if best is None else f"{best.step_s:.4g} s"
+    return f"planning: splitting {candidate.describe()} next, best step {so_far} so far"
 
 
 def balanced_partition(candidate: Candidate) -> tuple[int, ...]:

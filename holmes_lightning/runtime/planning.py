@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import holmes_lightning.runtime.checkpoint as checkpoint
 from holmes_lightning.measure import calibration
@@ -42,6 +43,7 @@ from holmes_lightning.planner import (
     best_plan_per_replica,
 )
 from holmes_lightning.planner.report import format_plan
+from holmes_lightning.planner.search import SearchStats
 from holmes_lightning.runtime.contract import Inputs, dict_inputs, missing_contract, prediction_inputs, split_batch
 from holmes_lightning.runtime.placement import host_position
 from holmes_lightning.runtime.plan_reuse import PlanBasis, digest, replan_reasons
@@ -449,10 +451,10 @@ def _make_plan(
     if missing_contract(module):  # pp=1: one FSDP group over every rank
         batch = BatchSettings((request.batch or BatchSettings(topology.world_size)).global_batch)
         whole = replace(options, layout=LayoutKind.flat_fsdp, pp=None, dp=None, partition=PartitionRule.auto)
-        found = best_plan(topology, profile, batch, options=whole, costs=costs)
+        found = best_plan(topology, profile, batch, options=whole, costs=costs, stats=_reporting())
         return replace(found, notes=(*found.notes, "no pipeline contract (pipeline_layers): FSDP over all ranks"))
     if request.batch is not None:
-        return best_plan(topology, profile, request.batch, options=options, costs=costs)
+        return best_plan(topology, profile, request.batch, options=options, costs=costs, stats=_reporting())
     if replica_batch is None:
         raise ValueError(
             "HolmesStrategy(global_batch=None): the planner needs the samples per optimizer step, and the DataLoader "
@@ -460,9 +462,14 @@ def _make_plan(
             "global_batch=<sequences per step over all DP replicas>, or give the DataLoader a batch_size: each DP "
             "replica then reads one such batch per step"
         )
-    found = best_plan_per_replica(topology, profile, replica_batch, options=options, costs=costs)
+    found = best_plan_per_replica(topology, profile, replica_batch, options=options, costs=costs, stats=_reporting())
     note = f"global batch {found.global_batch}: the DataLoader's batch_size={replica_batch} x dp={found.dp}"
     return replace(found, notes=(*found.notes, note))
+
+
+def _reporting() -> SearchStats:
+    """Search stats that log how a long search goes (this runs on rank 0 while the other ranks wait)."""
+    return SearchStats.reporting(rank_zero_info)
 
 
 def step_collectives(trainer: pl.Trainer) -> int:
