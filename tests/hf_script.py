@@ -1,5 +1,6 @@
-"""A user's script training a Hugging Face causal LM across two_cluster_mixed: `python hf_script.py FAMILY SCHEDULE
-PADDING OUT [PRETRAINED_DIR]`.
+"""A user's script training Hugging Face causal LMs across two_cluster_mixed: `python hf_script.py FAMILY SCHEDULE
+PADDING OUT [PRETRAINED_DIR]`, or one after another in the same processes: `python hf_script.py --cases OUT
+FAMILY,SCHEDULE,PADDING ...` (each into OUT/FAMILY-SCHEDULE-PADDING).
 
 pp=2 x dp=2 (Lightning's launcher starts the 4 processes), dict batches from a DataLoader that splits its data with
 `DistributedSampler(**trainer.strategy.distributed_sampler_kwargs)`, no `example_input_array`. Rows are padded on
@@ -120,9 +121,18 @@ def main(family: str, schedule: str, padding: str, out: str, pretrained: str | N
         model = MyCausalLM(pretrained or CONFIGS[family](), padding)
     trainer.fit(model)
     result = {"losses": losses.losses, "tied": tied_copy(model), "plan": [len(s.layers) for s in strategy.plan.stages]}
+    Path(out).mkdir(parents=True, exist_ok=True)
     Path(out, f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
     strategy.save_hf(Path(out, "hf"))
 
 
+def case_dir(out: str, family: str, schedule: str, padding: str) -> str:
+    return str(Path(out, f"{family}-{schedule}-{padding}"))
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    if sys.argv[1] == "--cases":
+        for case in sys.argv[3:]:
+            main(*case.split(","), case_dir(sys.argv[2], *case.split(",")))
+    else:
+        main(*sys.argv[1:])

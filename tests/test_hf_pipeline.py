@@ -1,8 +1,9 @@
 """Hugging Face causal LMs of four families trained as pp=2 x dp=2 across two_cluster_mixed (tests/hf_script.py, started
-with `python script.py`) match the HF model itself trained by plain Lightning in one process on the same dict batches:
-per-step losses (HF's token-weighted loss, rows padded on the right or the left, labels -100 among them), tied
-embedding copies bitwise equal after the steps, the directory `save_hf` writes loading in `from_pretrained` to the
-one-process model's logits, and a pretrained directory giving HF's own first loss.
+with `python script.py`; the cases one after another in one launch) match the HF model itself trained by plain
+Lightning in one process on the same dict batches: per-step losses (HF's token-weighted loss, rows padded on the right
+or the left, labels -100 among them), tied embedding copies bitwise equal after the steps, the directory `save_hf`
+writes loading in `from_pretrained` to the one-process model's logits, and a pretrained directory giving HF's own
+first loss.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import math
 import os
 import subprocess
 import sys
-from functools import cache
 from pathlib import Path
 
 import hf_script
@@ -43,13 +43,23 @@ class HFItself(HFCausalLM):
         return self.hf_model(**batch).loss
 
 
-@cache
-def launched(family: str, schedule: str, padding: str, out: str, pretrained: str = "") -> list[dict]:
-    argv = [sys.executable, SCRIPT, family, schedule, padding, out, *([pretrained] if pretrained else [])]
+def run_script(*args: str, cwd: str) -> None:
     env = {**os.environ, **ENV_SECONDS}
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=out, env=env, check=False)
+    argv = [sys.executable, SCRIPT, *args]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=cwd, env=env, check=False)
     assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
+
+
+def rank_results(out: str | Path) -> list[dict]:
     return [json.loads(Path(out, f"rank{rank}.json").read_text()) for rank in range(4)]
+
+
+@pytest.fixture(scope="module")
+def every_case(tmp_path_factory) -> Path:
+    """All of `CASES` trained one after another by one launch of the script (its ranks start once)."""
+    out = tmp_path_factory.mktemp("hf_cases")
+    run_script("--cases", str(out), *(",".join(case) for case in CASES), cwd=str(out))
+    return out
 
 
 def reference(family: str, padding: str, source: object = None) -> tuple[list[float], HFItself]:
@@ -74,8 +84,9 @@ def reference(family: str, padding: str, source: object = None) -> tuple[list[fl
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("family", "schedule", "padding"), CASES)
-def test_an_hf_model_trains_across_the_clusters_as_in_one_process(family, schedule, padding, tmp_path):
-    ranks = launched(family, schedule, padding, str(tmp_path))
+def test_an_hf_model_trains_across_the_clusters_as_in_one_process(family, schedule, padding, every_case):
+    out = Path(hf_script.case_dir(str(every_case), family, schedule, padding))
+    ranks = rank_results(out)
     expected, trained = reference(family, padding)
     assert all(len(plan) == 2 for plan in (rank["plan"] for rank in ranks))
     for rank in ranks:
@@ -84,12 +95,12 @@ def test_an_hf_model_trains_across_the_clusters_as_in_one_process(family, schedu
     if trained.hf_model.config.tie_word_embeddings:  # bitwise, on the ranks of the stages that hold them
         holders = 2 if Schedule(schedule).v_shaped else 4  # V: the first stage holds both the embedding and head
         assert len(copies) == holders and all(copy == copies[0] for copy in copies)
-    saved = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    saved = tf.AutoModelForCausalLM.from_pretrained(out / "hf").eval()
     batch = next(iter(DataLoader(hf_script.PaddedTokens(padding), batch_size=4)))
     inputs = {key: batch[key] for key in ("input_ids", "attention_mask")}
     with torch.no_grad():
         assert torch.allclose(saved(**inputs).logits, trained.hf_model.eval()(**inputs).logits, rtol=1e-4, atol=1e-4)
-    written = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
+    written = json.loads((out / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
     assert set(written) == set(trained.hf_model.state_dict()) - _tied_keys(trained.hf_model)
 
 
@@ -100,7 +111,8 @@ def test_a_pretrained_directory_loads_stage_by_stage_and_starts_at_hfs_loss(tmp_
     tf.AutoModelForCausalLM.from_config(hf_script.CONFIGS["llama"]()).save_pretrained(pretrained)
     out = tmp_path / "run"
     out.mkdir()
-    ranks = launched("llama", "GPipe", "right", str(out), str(pretrained))
+    run_script("llama", "GPipe", "right", str(out), str(pretrained), cwd=str(out))
+    ranks = rank_results(out)
     first = ranks[0]["losses"][0]
     batch = next(iter(DataLoader(hf_script.PaddedTokens("right"), batch_size=hf_script.GLOBAL_BATCH)))
     with torch.no_grad():
