@@ -56,7 +56,12 @@ class DiLoCoPrediction:
 
     @property
     def label(self) -> str:
-        return " | ".join("+".join(site) for site in self.sites)
+        return grouping_label(self.sites)
+
+
+def grouping_label(grouping: Grouping) -> str:
+    """`A+B | C`: the sites, each its clusters."""
+    return " | ".join("+".join(site) for site in grouping)
 
 
 def cluster_link(topology: Topology, a: str, b: str) -> Link:
@@ -199,5 +204,5 @@ def compare_cross_site(
                 )
             )
         except PlanError as error:
-            problems.append(f"{' | '.join('+'.join(site) for site in grouping)}: {str(error).splitlines()[-1]}")
+            problems.append(f"{grouping_label(grouping)}: {str(error).splitlines()[-1]}")
     return predictions, problems
