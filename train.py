@@ -22,19 +22,22 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from holmes_lightning.cli import validate
-from holmes_lightning.cli.config import ConfigError, TrainConfig, error_line, register_configs
+from holmes_lightning.cli.config import ConfigError, CrossSite, TrainConfig, error_line, register_configs
 from holmes_lightning.cli.data import build_data, check_data
 from holmes_lightning.cli.launch import start_ranks
 from holmes_lightning.cli.models import build_model, check_model, flops_per_sample
+from holmes_lightning.cli.sites import choose_sites, latest_of_every_site, site_dir, site_resume
 from holmes_lightning.cli.targets import added_keys
 from holmes_lightning.launch import job
-from holmes_lightning.launch.processes import LAUNCHED_ENV, launched_topology
-from holmes_lightning.planner import ModelProfile, Plan, PlanError
+from holmes_lightning.launch.processes import LAUNCHED_ENV, SITE_ENV, launched_topology
+from holmes_lightning.planner import BatchSettings, ModelProfile, Plan, PlanError
+from holmes_lightning.planner.sites import Grouping, grouping_label
 from holmes_lightning.planner.survivors import plan_on_most_nodes
 from holmes_lightning.recipes import RunSummary, throughput_monitor
 from holmes_lightning.runtime import HolmesStrategy, checkpoint
 from holmes_lightning.runtime.checkpoint import CheckpointError
 from holmes_lightning.runtime.contract import ContractError
+from holmes_lightning.runtime.diloco import Site, SiteError, SiteLaunch
 from holmes_lightning.runtime.environment import default_environment
 from holmes_lightning.runtime.placement import launch_mismatch
 from holmes_lightning.runtime.preemption import HolmesCheckpoint
@@ -44,7 +47,7 @@ register_configs()
 job.register_run_name_resolver()  # every rank of a torchrun/SLURM job names the run directory alike
 
 LOGGERS = ("csv", "wandb")
-KNOWN_ERRORS = (ConfigError, TopologyError, PlanError, CheckpointError, ContractError)
+KNOWN_ERRORS = (ConfigError, TopologyError, PlanError, CheckpointError, ContractError, SiteError)
 TRACEBACKS = os.environ.get("HYDRA_FULL_ERROR") == "1"  # asked for: known errors then show theirs too
 
 
@@ -60,16 +63,23 @@ def main(cfg: DictConfig) -> None:
         profile = check_model(config, arguments["model"], data_vocab=check_data(config, arguments["data"]))
         timeout_s = job.collective_timeout_s(config.strategy.timeout_s, os.environ)
         strategy = make_strategy(config, topology, timeout_s)
+        site = launched_site(config)
+        machines, batch = (topology, strategy.batch) if site is None else site_machines(config, topology, site)
         plan = None
         if profile is not None:  # your own module's profile is known once the ranks build it: they check its plan
-            plan = validate.check_plan(
-                config, topology, strategy.batch, profile, options=strategy.options, costs=strategy.costs
-            )
+            plan = validate.check_plan(config, machines, batch, profile, options=strategy.options, costs=strategy.costs)
+        sites = None
+        if not is_rank_process():
+            options, costs = strategy.options, strategy.costs
+            sites = choose_sites(config, topology, plan, profile, batch=batch, options=options, costs=costs)
+        if sites is not None and config.resume == "auto":  # the newest step that every site saved
+            newest = latest_of_every_site(config.checkpoint.dir, sites)
+            config.resume = None if newest is None else str(newest)
         # the launcher reads every file once; ranks leave the digests to the load, where each reads its share
         config.resume = validate.resume_path(config, plan, checksums=not is_rank_process())
         if is_rank_process():
             world, least = default_environment().world_size(), config.elastic.min_nodes
-            if (mismatch := launch_mismatch(topology, world, min_nodes=least)) is not None:
+            if (mismatch := launch_mismatch(machines, world, min_nodes=least)) is not None:
                 raise TopologyError(mismatch)
     except (ValueError, OmegaConfBaseException) as err:  # config, topology, plan, checkpoint and strategy errors
         exit_with_error(err)
@@ -77,10 +87,10 @@ def main(cfg: DictConfig) -> None:
     if not is_rank_process():
         if plan is None:
             print(f"train.py: {config.model._target_} is profiled and planned once the ranks have built it", flush=True)
-        sys.exit(start_job(config, topology, run_dir, survivors_plan(config, strategy, profile)))
+        sys.exit(start_job(config, topology, run_dir, survivors_plan(config, strategy, profile), sites))
     warn_once_about_timeout(config, topology, timeout_s)
     try:
-        train(config, arguments, topology, strategy, run_dir, profile)
+        train(config, arguments, machines, strategy, run_dir, profile)
     except KNOWN_ERRORS as err:  # found once processes joined: raised alike on every rank that sees it
         exit_with_error(err, f"rank {default_environment().global_rank()}: ")
 
@@ -106,6 +116,22 @@ def is_rank_process() -> bool:
     return LAUNCHED_ENV in os.environ or default_environment().creates_processes_externally
 
 
+def launched_site(config: TrainConfig) -> Site | None:
+    """In a rank of a DiLoCo job (the launcher started its site as a job of its own): that site."""
+    mode = config.strategy.cross_site
+    if not is_rank_process() or not (mode is CrossSite.diloco or (mode is CrossSite.auto and SITE_ENV in os.environ)):
+        return None
+    return Site.launched(launched_topology() or config.cluster, SiteLaunch.from_env(), config.data.global_batch)
+
+
+def site_machines(config: TrainConfig, topology: Topology, site: Site) -> tuple[Topology, BatchSettings]:
+    """What this rank's site trains on, and its share of the batch; its checkpoints go in a folder of its own."""
+    config.checkpoint.dir = site_dir(config.checkpoint.dir, site.label)
+    config.resume = site_resume(config.resume, site.label) if config.resume != "auto" else "auto"
+    config.data.global_batch = site.batch or config.data.global_batch
+    return site.topology, BatchSettings(config.data.global_batch, config.strategy.microbatches)
+
+
 def survivors_plan(
     config: TrainConfig, strategy: HolmesStrategy, profile: ModelProfile | None
 ) -> Callable[[Topology], Topology] | None:
@@ -123,15 +149,21 @@ def survivors_plan(
 
 
 def start_job(
-    config: TrainConfig, topology: Topology, run_dir: str, training_nodes: Callable[[Topology], Topology] | None
+    config: TrainConfig,
+    topology: Topology,
+    run_dir: str,
+    training_nodes: Callable[[Topology], Topology] | None,
+    sites: Grouping | None = None,
 ) -> int:
-    """One process per rank of the topology, all writing into this run's directory."""
+    """One process per rank of the topology, all writing into this run's directory; `sites`: each site a job of
+    its own (DiLoCo)."""
     resume = f"resume='{config.resume}'" if config.resume else "resume=null"  # every rank resumes the same one
     command = [sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:], f"hydra.run.dir='{run_dir}'", resume]
     if config.resume:
         print(f"train.py: resuming from {config.resume}", flush=True)
     print(topology, flush=True)
-    print(f"train.py: starting {topology.world_size} ranks ({config.lab.mode}); logs in {run_dir}", flush=True)
+    over = "" if sites is None else f", DiLoCo over the sites {grouping_label(sites)}"
+    print(f"train.py: starting {topology.world_size} ranks ({config.lab.mode}{over}); logs in {run_dir}", flush=True)
     return start_ranks(
         command,
         topology,
@@ -139,6 +171,7 @@ def start_job(
         config.elastic,
         restart_command=lambda: resumed(command, config),
         training_nodes=training_nodes,
+        sites=sites,
     )
 
 
@@ -162,6 +195,8 @@ def make_strategy(config: TrainConfig, topology: Topology, timeout_s: float) -> 
         replan=settings.replan,
         timeout=timeout_s,
         min_nodes=config.elastic.min_nodes,
+        cross_site=str(settings.cross_site),
+        diloco=config.diloco.settings(),
     )
 
 
@@ -208,7 +243,7 @@ def train(
         log_every_n_steps=opt.log_every_n_steps,
         val_check_interval=opt.val_check_interval,
         limit_val_batches=opt.limit_val_batches,
-        logger=make_logger(config, run_dir),
+        logger=make_logger(config, run_dir, site.label if (site := launched_site(config)) else None),
         callbacks=[
             throughput_monitor(
                 model,
@@ -236,13 +271,16 @@ def launched_devices(topology: Topology, rank: int) -> dict[str, int]:
     return {"devices": local, "num_nodes": world // local}
 
 
-def make_logger(config: TrainConfig, run_dir: str) -> Logger:
-    """CSV in the run directory (a restart after a lost node in `csv/restart-N`, so the runs before stay), or a
-    Weights & Biases run kept offline there (`wandb sync` uploads it later)."""
+def make_logger(config: TrainConfig, run_dir: str, site: str | None) -> Logger:
+    """CSV in the run directory (a restart after a lost node in `csv/restart-N`, so the runs before stay; under
+    DiLoCo each site's in `csv/site-NAME`), or a Weights & Biases run kept offline there (`wandb sync` uploads it
+    later; one per site)."""
     if config.logger == "wandb":
-        return WandbLogger(project="holmes-lightning", save_dir=run_dir, offline=True, config=asdict(config))
+        name = None if site is None else f"site-{site}"
+        return WandbLogger(project="holmes-lightning", name=name, save_dir=run_dir, offline=True, config=asdict(config))
     restart = job.restart_count(os.environ)
-    return CSVLogger(save_dir=run_dir, name="csv", version=f"restart-{restart}" if restart else "")
+    parts = ([] if site is None else [f"site-{site}"]) + ([f"restart-{restart}"] if restart else [])
+    return CSVLogger(save_dir=run_dir, name="csv", version="-".join(parts))
 
 
 def cli() -> None:

@@ -7,7 +7,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from holmes_lightning.cli.config import ConfigError, DiLoCoConfig
 from holmes_lightning.cli.config import ModelConfig as GPTConfig
 from holmes_lightning.planner import BatchSettings, ModelProfile, PlanError, PlanOptions, best_plan
 from holmes_lightning.planner.sites import (
@@ -117,14 +116,14 @@ def test_the_outer_all_reduce_crosses_the_slowest_link_of_the_ring_over_sites():
 
 
 @pytest.mark.parametrize("streaming", [True, False])
-def test_diloco_adds_what_its_inner_steps_do_not_hide_once_per_outer_step(streaming):
+def test_diloco_adds_what_its_overlapped_inner_steps_do_not_hide_once_per_outer_step(streaming):
     topology, batch = Topology.from_config("two_cluster_mixed"), BatchSettings(16)
     found = []
     for every in (1, 10, 1000):
         diloco = DiLoCoSettings(sync_every=every, streaming=streaming)
         found.append(predict_diloco(topology, SMALL, batch, (("A",), ("B",)), parameters=1e8, settings=diloco))
     for d in found:
-        hidden = d.sync_every * d.inner_step_s if streaming else 0.0
+        hidden = d.inner_step_s if streaming else 0.0  # one fragment, streamed over the next inner step
         assert d.exposed_sync_s == pytest.approx(max(d.outer_sync_s - hidden, 0.0))
         step = d.inner_step_s + d.exposed_sync_s / d.sync_every
         assert d.tokens_per_s == pytest.approx(16 * SMALL.tokens_per_sample / step)
@@ -154,12 +153,3 @@ def test_a_site_that_cannot_plan_is_named_with_why():
     )
     assert not found and len(problems) == len(site_groupings(topology))
     assert problems[0].startswith("A+B | C: ") and "memory" in problems[0]
-
-
-@pytest.mark.parametrize(
-    ("field", "value", "fix"),
-    [("sync_every", 0, "use at least 1 inner step"), ("outer_bits", 3, "use 32, 16, 8 or 4")],
-)
-def test_bad_diloco_settings_name_the_field(field, value, fix):
-    with pytest.raises(ConfigError, match=rf"diloco.{field}={value}: {fix}"):
-        DiLoCoConfig(**{field: value})

@@ -139,13 +139,23 @@ def _editable(frozen: type) -> type:
 MachineCostsConfig = _editable(MachineCosts)  # `strategy.costs.latency_s=...`: one schema, the MachineCosts fields
 
 
+class CrossSite(ConfigEnum):
+    """Across clusters on different sites: one pipeline, DiLoCo (a replica per site), or the faster by prediction
+    (DiLoCo only with `diloco.allowed=true`)."""
+
+    pipeline = "pipeline"
+    diloco = "diloco"
+    auto = "auto"
+
+
 @dataclass
 class StrategyConfig(PlanOptions):
     """HolmesStrategy's settings: what to plan (`PlanOptions`), the micro-batch count, whether to calibrate the cost
     model on this machine at start (`HolmesStrategy(calibrate=...)`), the collective timeout, the machine's costs
     where they are not calibrated (`strategy.costs`, `MachineCosts`: all of them with `calibrate=false`, else those
     calibration does not measure, such as `dp_overlap`), and whether a resume plans afresh (`replan=true`) instead of
-    running its checkpoint's plan again (`HolmesStrategy(replan=...)`)."""
+    running its checkpoint's plan again (`HolmesStrategy(replan=...)`); `cross_site`: one pipeline across every
+    cluster, or DiLoCo over sites (`diloco.*`, `HolmesStrategy(cross_site=...)`)."""
 
     partition: Any = "auto"  # "auto", "uniform" or a list of layer counts (Hydra takes no union of str and list)
     microbatches: int | None = None
@@ -153,8 +163,10 @@ class StrategyConfig(PlanOptions):
     replan: bool = False
     timeout_s: float | None = None  # null: 120 s for ranks train.py starts on this machine, 30 min under torchrun/SLURM
     costs: MachineCostsConfig = field(default_factory=MachineCostsConfig)
+    cross_site: CrossSite = CrossSite.pipeline
 
     def __post_init__(self) -> None:
+        self.cross_site = CrossSite(self.cross_site)
         try:
             super().__post_init__()
             self.machine_costs()
@@ -271,6 +283,44 @@ class ElasticConfig:
 
 
 @dataclass
+class DiLoCoConfig:
+    """DiLoCo across sites (`strategy.cross_site=diloco`, and as the plan CLI predicts it next to one pipeline):
+    `sync_every` inner steps between outer steps (H); `outer_bits` per pseudo-gradient value sent (32 or 16; 8 and 4,
+    quantised as Streaming DiLoCo does, are predicted only); `streaming`: the parameters go in `fragments`
+    synchronised in turn, each all-reduce running during the next `overlap_steps` inner steps; `outer_lr`,
+    `outer_momentum`: the outer Nesterov SGD's; `sites`: how the clusters group into sites (`A+B|C`; null: the fewest
+    sites the links cut them into); `allowed`: `strategy.cross_site=auto` may choose DiLoCo (it changes the
+    optimisation, so only when you say so)."""
+
+    sync_every: int = 500
+    outer_bits: int = 32
+    streaming: bool = True
+    fragments: int = 1
+    overlap_steps: int = 1
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    sites: str | None = None
+    allowed: bool = False
+
+    def __post_init__(self) -> None:
+        self.settings()
+
+    def settings(self) -> DiLoCoSettings:
+        try:
+            return DiLoCoSettings(
+                self.sync_every,
+                self.outer_bits,
+                self.streaming,
+                self.fragments,
+                self.overlap_steps,
+                self.outer_lr,
+                self.outer_momentum,
+            )
+        except SettingError as error:
+            raise ConfigError(str(error.as_written_in("diloco."))) from None
+
+
+@dataclass
 class TrainConfig:
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
     model: Any = omegaconf.MISSING  # ModelConfig or HFModelConfig: the `model` group's choice brings its schema
@@ -280,6 +330,7 @@ class TrainConfig:
     lab: LabConfig = field(default_factory=LabConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
     seed: int = 1234
     resume: str | None = None  # a checkpoint directory, or "auto": the newest complete one in checkpoint.dir
     logger: str = "csv"
@@ -300,24 +351,6 @@ class PlanConfig:
 
     def __post_init__(self) -> None:
         _require(self.bytes_per_value in (2, 4), "plan.bytes_per_value", self.bytes_per_value, "use 2 (bf16) or 4")
-
-
-@dataclass
-class DiLoCoConfig:
-    """DiLoCo across sites, as the plan CLI predicts it next to one pipeline (`planner.sites`): `sync_every` inner
-    steps between outer steps (H), `outer_bits` per pseudo-gradient value sent (32, or 16, 8, 4: quantised as Streaming
-    DiLoCo does), `streaming`: the outer all-reduce runs during the next inner steps."""
-
-    sync_every: int = 500
-    outer_bits: int = 32
-    streaming: bool = True
-
-    def __post_init__(self) -> None:
-        _require(self.sync_every >= 1, "diloco.sync_every", self.sync_every, "use at least 1 inner step per outer step")
-        _require(self.outer_bits in (4, 8, 16, 32), "diloco.outer_bits", self.outer_bits, "use 32, 16, 8 or 4")
-
-    def settings(self) -> DiLoCoSettings:
-        return DiLoCoSettings(self.sync_every, self.outer_bits, self.streaming)
 
 
 @dataclass

@@ -56,6 +56,7 @@ def start_ranks(
     elastic: ElasticConfig | None = None,
     restart_command: Callable[[], Sequence[str]] | None = None,
     training_nodes: Callable[[Topology], Topology] | None = None,
+    sites: Sequence[Sequence[str]] | None = None,
 ) -> int:
     """The one way our tools start a job: every rank of `topology` runs `command` on this machine, in the lab's
     emulated network when `lab.mode` is "emulate"; returns the job's exit code.
@@ -64,13 +65,14 @@ def start_ranks(
     left (`Topology.without`, which the ranks plan for), running what `restart_command()` gives then (default:
     `command`; it must resume from the last checkpoint), up to `elastic.max_restarts` times and on
     `elastic.min_nodes` nodes at least. `training_nodes(survivors)`: those of them that train (default: all; raises
-    a ValueError that ends the job when none can).
+    a ValueError that ends the job when none can). `sites`: each site (its clusters' names) a job of its own, as
+    cross-site DiLoCo runs (`launch_job`).
     """
     elastic = elastic or ElasticConfig()
     least = elastic.min_nodes or 1
     running = command
     for restart in range(elastic.max_restarts):
-        ended = _run_once(running, topology, lab, restart)
+        ended = _run_once(running, topology, lab, restart, sites)
         if ended.code == 0 or ended.died_on is None:
             return ended.code
         lost = topology.nodes[ended.died_on].name
@@ -97,17 +99,23 @@ def start_ranks(
             flush=True,
         )
         running = restart_command() if restart_command else command
-    return _run_once(running, topology, lab, elastic.max_restarts).code
+    return _run_once(running, topology, lab, elastic.max_restarts, sites).code
 
 
-def _run_once(command: Sequence[str], topology: Topology, lab: LabConfig | None, restart: int = 0) -> JobEnd:
+def _run_once(
+    command: Sequence[str],
+    topology: Topology,
+    lab: LabConfig | None,
+    restart: int = 0,
+    sites: Sequence[Sequence[str]] | None = None,
+) -> JobEnd:
     """One start of the job, its ranks told how many restarts came before (`job.restart_count`)."""
     previous = os.environ.get(RESTART_ENV)
     os.environ[RESTART_ENV] = str(restart)  # the ranks inherit this process's environment
     try:
         if lab is not None and lab.mode is LabMode.emulate:
-            return run_in_lab(topology, command, bandwidth_scale=lab.bandwidth_scale)
-        return launch_job(command, topology)
+            return run_in_lab(topology, command, bandwidth_scale=lab.bandwidth_scale, sites=sites)
+        return launch_job(command, topology, sites=sites)
     finally:
         if previous is None:
             del os.environ[RESTART_ENV]

@@ -53,11 +53,17 @@ def _torn_down(network: LabNetwork) -> Iterator[None]:
                 signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
-def run_in_lab(topology: Topology, command: Sequence[str], bandwidth_scale: float | None = None) -> JobEnd:
+def run_in_lab(
+    topology: Topology,
+    command: Sequence[str],
+    bandwidth_scale: float | None = None,
+    sites: Sequence[Sequence[str]] | None = None,
+) -> JobEnd:
     """Run `command` once per rank, each node's ranks inside that node's namespace; returns how the job ended.
 
-    `bandwidth_scale` maps real link speeds to lab speeds (None: chosen from this CPU, see `lab.scale`). Without
-    root or network namespaces the job runs on plain loopback instead, after a one-line notice.
+    `bandwidth_scale` maps real link speeds to lab speeds (None: chosen from this CPU, see `lab.scale`). `sites`:
+    each site a job of its own (`launch_job`). Without root or network namespaces the job runs on plain loopback
+    instead, after a one-line notice.
     """
     reason = unavailable_reason()
     if reason is None:
@@ -79,8 +85,10 @@ def run_in_lab(topology: Topology, command: Sequence[str], bandwidth_scale: floa
                     master_addr=network.nodes[0].ethernet,
                     node_prefix=lambda node: ["ip", "netns", "exec", network.nodes[node].namespace],
                     node_env=lambda node: node_env(network, node),
+                    sites=sites,
+                    node_address=lambda node: network.nodes[node].ethernet,
                 )
         except LabUnavailable as err:
             reason = str(err)
     print(f"holmes lab: unavailable ({reason}); running on plain loopback, links not shaped", file=sys.stderr)
-    return launch_job(command, topology)
+    return launch_job(command, topology, sites=sites)

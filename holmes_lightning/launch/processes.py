@@ -22,6 +22,9 @@ from holmes_lightning.topology import Topology
 
 LAUNCHED_ENV = "HOLMES_LAUNCHED"  # every rank of the job runs on this host (emulated nodes)
 TOPOLOGY_ENV = "HOLMES_TOPOLOGY"  # the launched cluster, as `Topology.to_dict()` JSON
+SITE_ENV = "HOLMES_SITE"  # cross-site DiLoCo: this rank's site, its clusters joined by "+" (its own job and world)
+SITES_ENV = "HOLMES_SITES"  # cross-site DiLoCo: every site of the job, `A+B|C`
+OUTER_STORE_ENV = "HOLMES_OUTER_STORE"  # HOST:PORT where the sites' ranks meet (the first site's rank 0 hosts it)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -100,18 +103,53 @@ def launch_job(
     node_prefix: Callable[[int], list[str]] | None = None,
     node_env: Callable[[int], dict[str, str]] | None = None,
     grace_s: float = 15.0,
+    sites: Sequence[Sequence[str]] | None = None,
+    node_address: Callable[[int], str] | None = None,
 ) -> JobEnd:
-    """Run `command` once per rank and wait; the code is 0, or the exit code of the first rank that failed."""
-    port = master_port or free_port()
+    """Run `command` once per rank and wait; the code is 0, or the exit code of the first rank that failed.
+
+    `sites` (cross-site DiLoCo, each site its clusters' names): every site is a job of its own, its ranks numbered
+    from 0 and meeting at its first node (`node_address(node)`, default `master_addr`), told their site and where
+    the sites meet (`SITE_ENV`, `OUTER_STORE_ENV`: the first site's first node); the whole cluster stays in
+    `TOPOLOGY_ENV`. One supervisor still stops every site when a rank fails."""
+    if sites is None:
+        port = master_port or free_port()
+        envs = [rank_env(topology, rank, master_addr, port) for rank in range(topology.world_size)]
+    else:
+        envs = site_rank_envs(topology, sites, node_address or (lambda _node: master_addr))
     procs: list[RankProcess] = []
-    for rank in range(topology.world_size):
+    for rank, rank_vars in enumerate(envs):
         node = topology.ranks[rank].node
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        env.update(rank_env(topology, rank, master_addr, port))
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **rank_vars}
         env.update(node_env(node) if node_env else {})
         argv = [*(node_prefix(node) if node_prefix else []), *command]
         procs.append(RankProcess(rank, node, subprocess.Popen(argv, env=env)))
     return _supervise(procs, topology, grace_s)
+
+
+def site_rank_envs(
+    topology: Topology, sites: Sequence[Sequence[str]], address: Callable[[int], str]
+) -> list[dict[str, str]]:
+    """Each rank's variables (by rank of `topology`) when every site runs as a job of its own."""
+    envs: dict[int, dict[str, str]] = {}
+    store = None
+    for site in sites:
+        nodes = [node for node in topology.nodes if node.cluster in site]
+        own = topology.keeping([node.name for node in nodes])
+        master, port = address(nodes[0].index), free_port()
+        store = store or f"{master}:{free_port()}"
+        ranks = [rank for node in nodes for rank in node.ranks]
+        for local, rank in enumerate(ranks):
+            envs[rank] = rank_env(own, local, master, port)
+            envs[rank].update(
+                {
+                    TOPOLOGY_ENV: json.dumps(topology.to_dict()),
+                    SITE_ENV: "+".join(site),
+                    SITES_ENV: "|".join("+".join(s) for s in sites),
+                    OUTER_STORE_ENV: store,
+                }
+            )
+    return [envs[rank] for rank in range(topology.world_size)]
 
 
 def _supervise(procs: list[RankProcess], topology: Topology, grace_s: float) -> JobEnd:

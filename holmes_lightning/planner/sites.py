@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 from holmes_lightning.planner.choice import PlanError, best_plan
 from holmes_lightning.planner.cost import MachineCosts
-from holmes_lightning.planner.options import BatchSettings, PartitionRule, PlanOptions
+from holmes_lightning.planner.options import BatchSettings, PartitionRule, PlanOptions, check_fields
 from holmes_lightning.planner.plan_types import Plan
 from holmes_lightning.planner.profile import ModelProfile
 from holmes_lightning.topology import Topology
@@ -31,11 +31,40 @@ Grouping = tuple[tuple[str, ...], ...]  # sites, each its clusters' names in con
 @dataclass(frozen=True)
 class DiLoCoSettings:
     """`sync_every`: inner steps between outer steps (H); `outer_bits`: bits per value of the pseudo-gradients sent
-    (32: DiLoCo, 4: Streaming DiLoCo's quantised ones); `streaming`: the all-reduce overlaps the next H inner steps."""
+    (32: DiLoCo; 16 bf16; 8 and 4: Streaming DiLoCo's quantised ones, predicted only); `streaming`: the parameters
+    go in `fragments` synchronised in turn, each all-reduce overlapping the next `overlap_steps` inner steps (else the
+    sites wait for it); `outer_lr`, `outer_momentum`: the outer Nesterov SGD's (the DiLoCo paper's 0.7 and 0.9)."""
 
     sync_every: int = 500
     outer_bits: int = 32
     streaming: bool = True
+    fragments: int = 1
+    overlap_steps: int = 1
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+
+    def __post_init__(self) -> None:
+        check_fields(
+            self,
+            {
+                "sync_every": (lambda n: n >= 1, "use at least 1 inner step per outer step"),
+                "outer_bits": (lambda bits: bits in (4, 8, 16, 32), "use 32, 16, 8 or 4"),
+                "fragments": (lambda n: 1 <= n <= self.sync_every, "use 1 to sync_every fragments"),
+                "overlap_steps": (
+                    lambda n: not self.streaming or 1 <= n * self.fragments < max(self.sync_every, 2),
+                    "use 1 or more, below sync_every / fragments: a fragment's all-reduce ends before its next starts",
+                ),
+                "outer_lr": (lambda lr: lr > 0, "must be > 0 (the DiLoCo paper: 0.7)"),
+                "outer_momentum": (lambda m: 0 <= m < 1, "must be in [0, 1) (the DiLoCo paper: 0.9)"),
+            },
+        )
+
+    def exposed_s(self, sync_s: float, inner_step_s: float) -> float:
+        """Seconds per outer cycle (`sync_every` inner steps) the sites wait for a full all-reduce of `sync_s`: all of
+        it, or streamed, what of each fragment's share its `overlap_steps` inner steps do not hide."""
+        if not self.streaming:
+            return sync_s
+        return self.fragments * max(sync_s / self.fragments - self.overlap_steps * inner_step_s, 0.0)
 
 
 @dataclass(frozen=True)
@@ -62,6 +91,27 @@ class DiLoCoPrediction:
 def grouping_label(grouping: Grouping) -> str:
     """`A+B | C`: the sites, each its clusters."""
     return " | ".join("+".join(site) for site in grouping)
+
+
+def site_topology(topology: Topology, site: Sequence[str]) -> Topology:
+    """The machines of one site (its clusters' nodes) as a cluster config of its own."""
+    return topology.keeping([node.name for node in topology.nodes if node.cluster in site])
+
+
+def find_grouping(topology: Topology, sites: str | None = None) -> Grouping:
+    """The grouping written `sites` (`A+B | C`, spaces optional; None: the fewest sites, cut only at the slowest links
+    between clusters). Raises PlanError naming the groupings there are."""
+    groupings = site_groupings(topology)
+    labels = ", ".join(repr(grouping_label(g)) for g in groupings) or "none: the clusters are one site"
+    if not groupings:
+        raise PlanError(f"cluster {topology.name!r} is one site (one cluster, or links all alike); groupings: {labels}")
+    if sites is None:
+        return groupings[0]
+    wanted = {frozenset(site.split("+")) for site in sites.replace(" ", "").split("|")}
+    for grouping in groupings:
+        if {frozenset(site) for site in grouping} == wanted:
+            return grouping
+    raise PlanError(f"sites={sites!r} is not a way the links of cluster {topology.name!r} cut it; use one of {labels}")
 
 
 def cluster_link(topology: Topology, a: str, b: str) -> Link:
@@ -150,15 +200,15 @@ def predict_diloco(
     batches = site_batches(topology, grouping, batch.global_batch)
     plans = []
     for site, samples in zip(grouping, batches, strict=True):
-        machines = topology.keeping([node.name for node in topology.nodes if node.cluster in site])
         try:
-            plans.append(best_plan(machines, profile, BatchSettings(samples), options=options, costs=costs))
+            plans.append(
+                best_plan(site_topology(topology, site), profile, BatchSettings(samples), options=options, costs=costs)
+            )
         except PlanError as error:
             raise PlanError(f"site {'+'.join(site)} ({samples} samples per step): {error}") from error
     inner = max(plan.prediction.total_s for plan in plans)
     sync, link = outer_sync_s(topology, grouping, parameters, settings.outer_bits)
-    hidden = settings.sync_every * inner if settings.streaming else 0.0
-    exposed = max(sync - hidden, 0.0)
+    exposed = settings.exposed_s(sync, inner)
     step = inner + exposed / settings.sync_every
     return DiLoCoPrediction(
         sites=grouping,
@@ -173,6 +223,13 @@ def predict_diloco(
     )
 
 
+def site_options(options: PlanOptions) -> PlanOptions:
+    """The user's plan options for one site: less what describes the whole job (pp, dp, an explicit partition), which
+    the planner then chooses per site."""
+    partition = options.partition if isinstance(options.partition, PartitionRule) else PartitionRule.auto
+    return replace(options, pp=None, dp=None, partition=partition)
+
+
 def compare_cross_site(
     topology: Topology,
     profile: ModelProfile,
@@ -185,9 +242,7 @@ def compare_cross_site(
 ) -> tuple[list[DiLoCoPrediction], list[str]]:
     """DiLoCo over every grouping of the clusters into sites, and why any could not be planned. Each site is planned
     with the user's options less what describes the whole job (pp, dp, an explicit partition: the planner chooses)."""
-    options = options or PlanOptions()
-    partition = options.partition if isinstance(options.partition, PartitionRule) else PartitionRule.auto
-    per_site = replace(options, pp=None, dp=None, partition=partition)
+    per_site = site_options(options or PlanOptions())
     predictions, problems = [], []
     for grouping in site_groupings(topology):
         try:

@@ -69,11 +69,18 @@ def rng_file(rank: int) -> str:
 
 
 def save(
-    checkpoint: dict[str, Any], path: Path, *, plan: Plan, rank: int, made_for: Mapping[str, Any] | None = None
+    checkpoint: dict[str, Any],
+    path: Path,
+    *,
+    plan: Plan,
+    rank: int,
+    made_for: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> None:
     """Write into a hidden staging directory next to `path`, then rename it to `path` (every rank calls this).
 
-    `made_for`: what `plan` was made for (`stored_plan.PlanBasis.to_dict()`), written into plan.json beside it."""
+    `made_for`: what `plan` was made for (`stored_plan.PlanBasis.to_dict()`), written into plan.json beside it.
+    `extra`: more state sharded as the model is (DiLoCo's outer parameters), written by DCP beside it."""
     staging = _hidden(path, "partial")
     if rank == 0:
         for stale in path.parent.glob(".*.partial"):  # left by a save that crashed; one job writes a directory
@@ -83,6 +90,7 @@ def save(
     torch.save(_collect_rng_states(), staging / rng_file(rank))
     state = {"state_dict": checkpoint.pop("state_dict")}
     state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+    state.update(extra or {})
     metadata = dcp.save(state, checkpoint_id=staging)  # returns once every rank's shards and `.metadata` are written
     written = [*_shard_files(metadata), DCP_METADATA_FILE, *(rng_file(r) for r in range(plan.world_size))]
     digests = {
@@ -327,10 +335,17 @@ def _choices(directory: Path, exclude: Path | None = None) -> str:
 
 
 def load(
-    path: Path, module: nn.Module, optimizers: Sequence[Optimizer], *, plan: Plan, rank: int, strict: bool
+    path: Path,
+    module: nn.Module,
+    optimizers: Sequence[Optimizer],
+    *,
+    plan: Plan,
+    rank: int,
+    strict: bool,
+    extra: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """Check every file against its digest (each rank a share), then load this rank's shards into `module` and
-    `optimizers`. Every rank calls this.
+    """Check every file against its digest (each rank a share), then load this rank's shards into `module`,
+    `optimizers` and the tensors of `extra` (in place, as `save` wrote them). Every rank calls this.
 
     Returns the rest of Lightning's checkpoint and this rank's saved random-number state (None when the checkpoint
     came from a job of another size, whose rank numbers mean other stages).
@@ -348,6 +363,7 @@ def load(
     check_resumable(saved, plan, path)
     state: dict[str, Any] = {"state_dict": model_state(module)}
     state.update({f"optimizer_{i}": optimizer_state(module, opt) for i, opt in enumerate(optimizers)})
+    state.update(extra or {})
     try:
         dcp.load(state, checkpoint_id=path)
     except CheckpointException as err:  # raised on every rank alike: DCP plans the load collectively

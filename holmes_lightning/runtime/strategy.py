@@ -42,6 +42,7 @@ from typing_extensions import override
 
 import holmes_lightning.runtime.checkpoint as checkpoint
 import holmes_lightning.runtime.resume as resume
+from holmes_lightning.launch.processes import SITE_ENV
 from holmes_lightning.measure import calibration
 from holmes_lightning.measure.calibration import Calibration
 from holmes_lightning.planner import (
@@ -58,6 +59,7 @@ from holmes_lightning.planner import (
     SettingError,
     Sharding,
 )
+from holmes_lightning.planner.sites import DiLoCoSettings, grouping_label
 from holmes_lightning.runtime.assembly import assemble
 from holmes_lightning.runtime.contract import (
     check_automatic_optimization,
@@ -67,6 +69,7 @@ from holmes_lightning.runtime.contract import (
     prediction_inputs,
     split_batch,
 )
+from holmes_lightning.runtime.diloco import DiLoCo, Site, SiteLaunch
 from holmes_lightning.runtime.environment import NICGroupingEnvironment, cluster_source
 from holmes_lightning.runtime.export import save_pretrained
 from holmes_lightning.runtime.groups import PlanMesh, build_mesh, nccl_world
@@ -79,6 +82,7 @@ from holmes_lightning.runtime.sharding import clip_grad_norm_
 from holmes_lightning.runtime.ties import Tie, across_stages, find_ties
 from holmes_lightning.topology import ClusterSpec, Topology
 
+CROSS_SITE = ("pipeline", "diloco", "auto")
 NOT_YET = "is made in setup, after the DataModule's setup and configure_model: read it from train_dataloader() or later"
 
 
@@ -129,6 +133,12 @@ class HolmesStrategy(ModelParallelStrategy):
             node must join). torchrun's elastic agent (`--nnodes=MIN:MAX`) starts the nodes left after a failure;
             they are matched to the config's by hostname (in its order where it names none), the plan is made for
             them and the missing nodes are logged (`placement.attend`).
+        cross_site: "pipeline" (one pipeline across every cluster), "diloco" (each site, a cluster or clusters joined
+            by fast links, trains its own replica on its own plan and share of `global_batch` as a job of its own; the
+            sites average their parameters' changes every `diloco.sync_every` inner steps through an outer Nesterov
+            SGD, `runtime.diloco`) or "auto": DiLoCo where the launcher started the sites so (train.py does when
+            `diloco.allowed=true` and DiLoCo is predicted faster), else one pipeline.
+        diloco: DiLoCo's settings (`holmes_lightning.planner.sites.DiLoCoSettings`); default: the DiLoCo paper's.
     """
 
     strategy_name = "holmes"
@@ -156,6 +166,8 @@ class HolmesStrategy(ModelParallelStrategy):
         fsdp_on_one_rank: bool = False,
         replan: bool = False,
         min_nodes: int | None = None,
+        cross_site: str = "pipeline",
+        diloco: DiLoCoSettings | None = None,
     ) -> None:
         given = {"schedule": schedule, "partition": partition, "pp": pp, "dp": dp, "sharding": sharding}
         given.update(layout=layout, activation_checkpointing=activation_checkpointing)
@@ -164,6 +176,8 @@ class HolmesStrategy(ModelParallelStrategy):
             self.batch = BatchSettings.requested(global_batch, microbatches)
         except SettingError as error:
             raise error.as_written_in(type(self).__name__) from None
+        if cross_site not in CROSS_SITE:
+            raise SettingError(type(self).__name__, "cross_site", cross_site, f"use one of {', '.join(CROSS_SITE)}")
         if calibrate:
             calibration.layer_seconds()  # a bad $HOLMES_CALIBRATION_SECONDS fails here, before any rank starts
         # Lightning 2.6's CombinedLoader flattens every batch with `lightning/pytorch/utilities/_pytree.py`
@@ -198,6 +212,10 @@ class HolmesStrategy(ModelParallelStrategy):
         self._ties: list[Tie] = []
         self._resumed_rng: dict[str, Any] | None = None
         self._device: torch.device | None = None
+        self.cross_site = cross_site
+        self.diloco_settings = diloco or DiLoCoSettings()
+        self.site: Site | None = None  # under DiLoCo: this rank's site, once the processes are configured
+        self.diloco: DiLoCo | None = None
 
     @property
     def replica_batch_size(self) -> int:
@@ -221,7 +239,10 @@ class HolmesStrategy(ModelParallelStrategy):
             return {"num_replicas": 1, "rank": 0}
         if self.plan_mesh is None:
             raise RuntimeError(f"HolmesStrategy: the data split (DP degree) {NOT_YET}")
-        return {"num_replicas": self._require_plan().dp, "rank": self.plan_mesh.dp_index}
+        split = {"num_replicas": self._require_plan().dp, "rank": self.plan_mesh.dp_index}
+        if self.site is not None:  # DiLoCo: each site's replicas shuffle the data in an order of their own
+            split["seed"] = int(os.environ.get("PL_GLOBAL_SEED", 0)) + self.site.index
+        return split
 
     @contextmanager
     def _reading_one_sample(self) -> Iterator[SampleReading]:
@@ -265,6 +286,12 @@ class HolmesStrategy(ModelParallelStrategy):
         launch of the wrong size here, before Lightning's launcher starts any process."""
         if not isinstance(self.cluster_environment, NICGroupingEnvironment):
             source = cluster_source(self.cluster, nodes=self.num_nodes, processes_per_node=self.num_processes)
+            if self.cross_site == "diloco" or (self.cross_site == "auto" and SITE_ENV in os.environ):
+                global_batch = None if self.batch is None else self.batch.global_batch
+                self.site = Site.launched(source, SiteLaunch.from_env(), global_batch)
+                source = self.site.topology
+                if self.batch is not None and self.site.batch is not None:
+                    self.batch = replace(self.batch, global_batch=self.site.batch)
             self.cluster_environment = NICGroupingEnvironment(
                 source, inner=self.cluster_environment, min_nodes=self.min_nodes
             )
@@ -359,6 +386,8 @@ class HolmesStrategy(ModelParallelStrategy):
                 timeout=self._timeout,
                 tied_stages=[tie.stages(self.plan) for tie in across_stages(self._ties, self.plan)],
             )
+            if self.site is not None:
+                self.site.connect(self.global_rank, self._timeout)
         self._device_mesh = self.plan_mesh.mesh
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
@@ -384,12 +413,40 @@ class HolmesStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+            if self.site is not None and self.diloco is None:
+                self.diloco = self._start_diloco()
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # total norm over every stage
         plugin = self.precision_plugin
         if isinstance(plugin, MixedPrecision) and plugin.scaler is None:
             # bf16-mixed: Lightning's MixedPrecision refuses to clip for a fused optimizer (the recipe's AdamW), which
             # would unscale fp16 gradients itself (Lightning-AI/pytorch-lightning#21435); bf16 has no scaler
             plugin.clip_gradients = MethodType(Precision.clip_gradients, plugin)
+
+    def _start_diloco(self) -> DiLoCo:
+        """The outer loop over the parameters this rank's optimizers hold, with the same rank of every other site."""
+        assert self.site is not None and self.site.group is not None and self.lightning_module is not None
+        held = {id(p) for optimizer in self.optimizers for group in optimizer.param_groups for p in group["params"]}
+        named = [(name, p) for name, p in self.lightning_module.named_parameters() if id(p) in held]
+        rank_zero_info(
+            f"HolmesStrategy: DiLoCo, site {self.site.label} of {grouping_label(self.site.grouping)}, an outer step "
+            f"every {self.diloco_settings.sync_every} inner steps"
+        )
+        return DiLoCo(named, self.site.group, self.diloco_settings, site_label=self.site.label)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """The inner step; under DiLoCo, then the outer loop's turn (`DiLoCo.after_inner_step`)."""
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.diloco is not None:
+            assert self.lightning_module is not None
+            self.diloco.after_inner_step(self.lightning_module.trainer.global_step + 1)
+        return result
+
+    @override
+    def on_train_end(self) -> None:
+        if self.diloco is not None:
+            self.diloco.flush()
+        super().on_train_end()
 
     def _prepare(self, module: pl.LightningModule) -> None:
         """This rank's part of the model (`assembly.assemble`), on its device, in the plan's precision."""
@@ -504,15 +561,27 @@ class HolmesStrategy(ModelParallelStrategy):
             raise TypeError("HolmesStrategy.save_checkpoint(storage_options=...) is not supported: it writes with DCP")
         path = Path(self.broadcast(filepath))
         made_for = None if self._made_for is None else self._made_for.to_dict()
-        checkpoint.save(checkpoint_, path, plan=self._require_plan(), rank=self.global_rank, made_for=made_for)
+        if self.diloco is not None:
+            self.diloco.flush()  # a streamed all-reduce in flight lands first, so the resume has nothing pending
+        extra = {} if self.diloco is None else {"diloco": self.diloco.state_dict()}
+        checkpoint.save(
+            checkpoint_, path, plan=self._require_plan(), rank=self.global_rank, made_for=made_for, extra=extra
+        )
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         assert self.lightning_module is not None
         path = Path(self.broadcast(checkpoint_path))
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         strict = self.lightning_module.strict_loading
+        extra = {} if self.diloco is None else {"diloco": self.diloco.state_dict()}
         state, self._resumed_rng = checkpoint.load(
-            path, self.lightning_module, optimizers, plan=self._require_plan(), rank=self.global_rank, strict=strict
+            path,
+            self.lightning_module,
+            optimizers,
+            plan=self._require_plan(),
+            rank=self.global_rank,
+            strict=strict,
+            extra=extra,
         )
         return state
 

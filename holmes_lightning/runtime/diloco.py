@@ -1,0 +1,248 @@
+"""DiLoCo's outer loop across sites: each site trains its own replica on its own plan (its own job, its own world);
+every `sync_every` inner steps the sites average their pseudo-gradients (the outer parameters less this replica's)
+over a gloo group of their own and take an outer step (Nesterov SGD, `torch.optim.SGD`) from the parameters they last
+agreed on.
+
+Rank i of every site holds the same shards (the sites plan alike, checked at start), so the outer all-reduce runs
+between ranks of equal site-local rank, one group per rank, and never gathers a parameter. Streaming: the parameters
+split into `fragments` synchronised in turn, each all-reduce running while the next `overlap_steps` inner steps do;
+the outer result then replaces that fragment's parameters (as torchft's DiLoCo with fragment_update_alpha=0).
+
+Written here rather than taken from torchft: torchft's DiLoCo needs its Manager, a lighthouse server and a quorum
+per step to form its replica groups, where the sites here are fixed at launch and their groups are plain gloo ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim import SGD
+
+from holmes_lightning.launch.processes import OUTER_STORE_ENV, SITE_ENV, SITES_ENV
+from holmes_lightning.planner.sites import (
+    DiLoCoSettings,
+    Grouping,
+    find_grouping,
+    grouping_label,
+    site_batches,
+    site_topology,
+)
+from holmes_lightning.topology import Topology
+
+
+class SiteError(ValueError):
+    """A cross-site job that cannot run as launched or configured; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class SiteLaunch:
+    """How the launcher started this rank's site: its clusters, the sites of the job (`A+B|C`; None: the fewest the
+    cluster's links cut it into) and the store every site's ranks meet at (hosted by the first site's rank 0)."""
+
+    clusters: tuple[str, ...]
+    sites: str | None
+    store_host: str
+    store_port: int
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> SiteLaunch:
+        site, store = env.get(SITE_ENV), env.get(OUTER_STORE_ENV)
+        if not site or not store or ":" not in store:
+            raise SiteError(
+                f"cross_site='diloco' runs each site as a job of its own: start it with train.py or holmes-launch "
+                f"(they set {SITE_ENV} and {OUTER_STORE_ENV}), or under torchrun per site set {SITE_ENV}=CLUSTER[+...] "
+                f"and {OUTER_STORE_ENV}=HOST:PORT (a free port on the first site's rank 0)"
+            )
+        host, port = store.rsplit(":", 1)
+        return cls(tuple(site.split("+")), env.get(SITES_ENV), host, int(port))
+
+
+@dataclass
+class Site:
+    """This rank's site under DiLoCo: the job's sites, which one this is, its machines, its share of the global batch
+    and, once connected, this site-local rank's group across the sites."""
+
+    launch: SiteLaunch
+    grouping: Grouping
+    index: int
+    topology: Topology
+    batch: int | None
+    group: dist.ProcessGroupGloo | None = None
+
+    @classmethod
+    def launched(cls, cluster: Any, launch: SiteLaunch, global_batch: int | None) -> Site:
+        """The site `launch` names in `cluster` (any cluster source: a config name, a Topology, ...)."""
+        whole = cluster if isinstance(cluster, Topology) else Topology.from_config(cluster)
+        grouping = find_grouping(whole, launch.sites)
+        index = next((i for i, site in enumerate(grouping) if set(site) == set(launch.clusters)), None)
+        if index is None:
+            raise SiteError(
+                f"{SITE_ENV}={'+'.join(launch.clusters)}: not a site of cluster {whole.name!r} cut as "
+                f"{grouping_label(grouping)}; name one of its sites"
+            )
+        batch = None if global_batch is None else site_batches(whole, grouping, global_batch)[index]
+        return cls(launch, grouping, index, site_topology(whole, grouping[index]), batch)
+
+    @property
+    def label(self) -> str:
+        return "+".join(self.grouping[self.index])
+
+    def connect(self, local_rank: int, timeout: timedelta) -> None:
+        """Join this site-local rank's group across the sites."""
+        self.group = outer_group(self.launch, self.index, len(self.grouping), local_rank, timeout)
+
+
+def outer_group(
+    launch: SiteLaunch, site: int, sites: int, local_rank: int, timeout: timedelta
+) -> dist.ProcessGroupGloo:
+    """The gloo group of this site-local rank across the sites (rank = the site's index)."""
+    store = dist.TCPStore(
+        launch.store_host,
+        launch.store_port,
+        None,
+        site == 0 and local_rank == 0,
+        timeout,
+        wait_for_workers=False,
+    )
+    return dist.ProcessGroupGloo(dist.PrefixStore(f"holmes-outer/{local_rank}", store), site, sites, timeout)
+
+
+@dataclass
+class _Sync:
+    """One fragment's all-reduce in flight: its pseudo-gradients summed over the sites (flat, once `work` is done) and
+    the inner step it is applied after."""
+
+    fragment: int
+    summed: torch.Tensor
+    work: dist.Work
+    due: int
+
+
+class DiLoCo:
+    """The outer parameters and optimizer of this rank's parameters (`named`: its stage's, as the inner optimizer
+    holds them), synchronised with the same rank of every other site over `group`."""
+
+    def __init__(
+        self,
+        named: Iterable[tuple[str, nn.Parameter]],
+        group: dist.ProcessGroupGloo,
+        settings: DiLoCoSettings,
+        *,
+        site_label: str,
+    ) -> None:
+        pairs = list(named)
+        self.names, self.params = [name for name, _ in pairs], [param for _, param in pairs]
+        self.group, self.settings, self.sites = group, settings, group.size()
+        check_alike(self.names, self.params, group, site_label)
+        self._broadcast_from_first_site()
+        with torch.no_grad():
+            self.outer = [param.detach().clone() for param in self.params]
+        self.optimizer = SGD(self.outer, lr=settings.outer_lr, momentum=settings.outer_momentum, nesterov=True)
+        for outer in self.outer:  # made now so that a checkpoint holds them before the first outer step
+            self.optimizer.state[outer]["momentum_buffer"] = torch.zeros_like(outer)
+        self.fragments = _fragments([p.numel() for p in self.params], settings.fragments)
+        self.pending: list[_Sync] = []
+        self.outer_steps = 0
+
+    def _broadcast_from_first_site(self) -> None:
+        """Every site starts from the first site's parameters (a resume then loads its checkpoint's)."""
+        with torch.no_grad():
+            for param in self.params:
+                self.group.broadcast([_local(param)]).wait()
+
+    def after_inner_step(self, done: int) -> None:
+        """After inner step `done` (1-based): apply the fragments whose all-reduce is due, start those whose turn
+        it is (a fragment's turn: `done` at its offset within the cycle of `sync_every` steps)."""
+        for sync in [s for s in self.pending if s.due <= done]:
+            self._apply(sync)
+        every, count = self.settings.sync_every, len(self.fragments)
+        for fragment in range(count):
+            if done % every == ((fragment + 1) * every // count) % every:
+                self._start(fragment, done)
+
+    def flush(self) -> None:
+        """Wait for and apply every all-reduce in flight (before a checkpoint and at the end of training)."""
+        for sync in list(self.pending):
+            self._apply(sync)
+
+    def _start(self, fragment: int, done: int) -> None:
+        """Sum the fragment's pseudo-gradients over the sites, as one flat buffer (of `outer_bits` per value)."""
+        indices = self.fragments[fragment]
+        if not indices:
+            return
+        with torch.no_grad():
+            deltas = [(_local(self.outer[i]) - _local(self.params[i])).flatten() for i in indices]
+            flat = torch.cat(deltas).to(torch.bfloat16 if self.settings.outer_bits == 16 else torch.float32)
+            work = self.group.allreduce([flat])
+        overlap = self.settings.overlap_steps if self.settings.streaming else 0
+        self.pending.append(_Sync(fragment, flat, work, done + overlap))
+        if overlap == 0:
+            self._apply(self.pending[-1])
+
+    def _apply(self, sync: _Sync) -> None:
+        """The outer step for one fragment: its averaged pseudo-gradients as the outer gradients, then its parameters
+        become the outer ones."""
+        sync.work.wait()
+        self.pending.remove(sync)
+        indices = self.fragments[sync.fragment]
+        with torch.no_grad():
+            for outer in self.outer:
+                outer.grad = None
+            sizes = [_local(self.outer[i]).numel() for i in indices]
+            for i, summed in zip(indices, sync.summed.split(sizes), strict=True):
+                grad = torch.zeros_like(self.outer[i])
+                local = _local(grad)
+                local.copy_(summed.view(local.shape).to(local.dtype) / self.sites)
+                self.outer[i].grad = grad
+            self.optimizer.step()
+            for i in indices:
+                self.params[i].detach().copy_(self.outer[i])
+                self.outer[i].grad = None
+        self.outer_steps += 1
+
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The outer parameters and Nesterov momenta by parameter name (DTensors where the parameters are sharded), for
+        torch.distributed.checkpoint, which loads into them in place."""
+        momenta = [self.optimizer.state[outer]["momentum_buffer"] for outer in self.outer]
+        return {
+            "outer": dict(zip(self.names, self.outer, strict=True)),
+            "momentum": dict(zip(self.names, momenta, strict=True)),
+        }
+
+
+def check_alike(names: list[str], params: list[torch.Tensor], group: dist.ProcessGroupGloo, site_label: str) -> None:
+    """Refuse sites whose rank i holds different shards: the outer all-reduce pairs them element by element."""
+    held = repr([(name, tuple(_local(p).shape), str(p.dtype)) for name, p in zip(names, params, strict=True)])
+    digest = torch.tensor([int.from_bytes(hashlib.sha256(held.encode()).digest()[:7], "big")])
+    every = [torch.zeros_like(digest) for _ in range(group.size())]
+    group.allgather([every], [digest]).wait()
+    if any(int(other) != int(digest) for other in every):
+        raise SiteError(
+            f"site {site_label}: its ranks hold other shards than the same ranks of another site, so their parameters "
+            f"cannot be averaged element by element; DiLoCo needs every site to plan alike: give strategy.pp, "
+            f"strategy.dp and strategy.partition (HolmesStrategy(pp=, dp=, partition=)) so that every site runs one "
+            f"plan, on sites of as many ranks"
+        )
+
+
+def _fragments(sizes: list[int], count: int) -> list[list[int]]:
+    """The parameters (by index) in `count` runs of consecutive ones of about as many values each (a run may be empty
+    where one parameter outweighs several runs)."""
+    total, fragments, filled = max(sum(sizes), 1), [[] for _ in range(count)], 0
+    for i, size in enumerate(sizes):
+        fragments[min(count - 1, filled * count // total)].append(i)
+        filled += size
+    return fragments
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
