@@ -26,7 +26,13 @@ from holmes_lightning.cli.config import ConfigError, CrossSite, TrainConfig, err
 from holmes_lightning.cli.data import build_data, check_data
 from holmes_lightning.cli.launch import start_ranks
 from holmes_lightning.cli.models import build_model, check_model, flops_per_sample
-from holmes_lightning.cli.sites import choose_sites, latest_of_every_site, site_dir, site_resume
+from holmes_lightning.cli.sites import (
+    choose_sites,
+    latest_of_every_site,
+    one_plan_for_every_site,
+    site_dir,
+    site_resume,
+)
 from holmes_lightning.cli.targets import added_keys
 from holmes_lightning.launch import job
 from holmes_lightning.launch.processes import LAUNCHED_ENV, SITE_ENV, launched_topology
@@ -68,10 +74,12 @@ def main(cfg: DictConfig) -> None:
         plan = None
         if profile is not None:  # your own module's profile is known once the ranks build it: they check its plan
             plan = validate.check_plan(config, machines, batch, profile, options=strategy.options, costs=strategy.costs)
-        sites = None
+        sites, pinned = None, []
         if not is_rank_process():
             options, costs = strategy.options, strategy.costs
             sites = choose_sites(config, topology, plan, profile, batch=batch, options=options, costs=costs)
+            if sites is not None and profile is not None:
+                pinned = one_plan_for_every_site(config, topology, sites, profile, options=options, costs=costs)
         if sites is not None and config.resume == "auto":  # the newest step that every site saved
             newest = latest_of_every_site(config.checkpoint.dir, sites)
             config.resume = None if newest is None else str(newest)
@@ -87,7 +95,7 @@ def main(cfg: DictConfig) -> None:
     if not is_rank_process():
         if plan is None:
             print(f"train.py: {config.model._target_} is profiled and planned once the ranks have built it", flush=True)
-        sys.exit(start_job(config, topology, run_dir, survivors_plan(config, strategy, profile), sites))
+        sys.exit(start_job(config, topology, run_dir, survivors_plan(config, strategy, profile), sites, pinned))
     warn_once_about_timeout(config, topology, timeout_s)
     try:
         train(config, arguments, machines, strategy, run_dir, profile)
@@ -154,11 +162,15 @@ def start_job(
     run_dir: str,
     training_nodes: Callable[[Topology], Topology] | None,
     sites: Grouping | None = None,
+    pinned: list[str] | None = None,
 ) -> int:
     """One process per rank of the topology, all writing into this run's directory; `sites`: each site a job of
-    its own (DiLoCo)."""
+    its own (DiLoCo), every site's ranks running the plan `pinned` overrides give (`one_plan_for_every_site`)."""
     resume = f"resume='{config.resume}'" if config.resume else "resume=null"  # every rank resumes the same one
-    command = [sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:], f"hydra.run.dir='{run_dir}'", resume]
+    pinned = pinned or []
+    keys = {override.split("=", 1)[0] for override in pinned}
+    given = [arg for arg in sys.argv[1:] if arg.split("=", 1)[0].lstrip("+") not in keys]
+    command = [sys.executable, os.path.abspath(sys.argv[0]), *given, *pinned, f"hydra.run.dir='{run_dir}'", resume]
     if config.resume:
         print(f"train.py: resuming from {config.resume}", flush=True)
     print(topology, flush=True)

@@ -2,13 +2,14 @@
 memory bench's activation checkpointing runs at a small size (on loopback, no lab needed)."""
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
 
-from holmes_lightning.bench import overhead, planning
+from holmes_lightning.bench import overhead, planning, sites
 from holmes_lightning.bench.calibrate import LabCalibration, calibrate
-from holmes_lightning.bench.config import VARIANTS, ActivationsJob, BenchSettings
+from holmes_lightning.bench.config import SITES_VARIANTS, VARIANTS, ActivationsJob, BenchSettings, SitesJob
 from holmes_lightning.bench.load import CpuClock
 from holmes_lightning.bench.memory import run_memory_bench
 from holmes_lightning.bench.model import BenchModel, FlatFSDP
@@ -277,3 +278,32 @@ def test_the_planning_bench_sites_differ_by_link_and_plan(tmp_path):
     timings = planning.main([str(tmp_path), "--repeats", "1", "--max-gpus", "64"])
     assert [t.gpus for t in timings] == [64] * (len(planning.SHAPES) - 1)
     assert (tmp_path / "planning.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    ("job", "message"),
+    [
+        ({"sync_every": [5], "overlap_steps": 8}, "bench.sites.sync_every=[5]"),
+        ({"sync_every": [200]}, "below bench.sites.max_steps=120"),
+        ({"short_steps": 0}, "bench.sites.short_steps=0"),
+        ({"cluster": "nowhere"}, "bench.sites.cluster='nowhere'"),
+    ],
+)
+def test_bad_sites_bench_settings_name_the_field(job, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        SitesJob(**job)
+    with pytest.raises(ConfigError, match="give bench.sites exactly when bench.kind=sites"):
+        BenchSettings(kind="sites", variants=["diloco"])
+
+
+def test_sites_bench_runs_each_variant_with_its_overrides_and_reads_tokens_per_second(tmp_path):
+    job = SitesJob(sync_every=[10, 50])
+    runs = sites.variants(BenchSettings(kind="sites", variants=list(SITES_VARIANTS), sites=job), job)
+    assert list(runs) == ["homogeneous", "pipeline", "flat_dp", "diloco_h10", "diloco_h50"]
+    assert runs["homogeneous"] == ["cluster.inter_cluster.gbps=200.0"]  # the WAN as fast as the clusters' NICs
+    assert "strategy.layout=flat_fsdp" in runs["flat_dp"] and "diloco.sync_every=50" in runs["diloco_h50"]
+    metrics = tmp_path / "metrics.csv"
+    rows = ["step,train/samples,train/time,train_loss", "0,8,1.0,", "0,,,3.0", "9,80,5.0,", "9,,,2.0"]
+    metrics.write_text("\n".join(rows) + "\n")
+    assert sites.tokens_per_s(metrics, seq_len=128) == pytest.approx(72 * 128 / 4.0)
+    assert sites.read_losses(metrics) == {0: 3.0, 9: 2.0}

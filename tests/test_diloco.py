@@ -21,7 +21,13 @@ from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from holmes_lightning.cli.config import ConfigError, CrossSite, DiLoCoConfig, ModelConfig, TrainConfig
-from holmes_lightning.cli.sites import choose_sites, latest_of_every_site, site_dir, site_resume
+from holmes_lightning.cli.sites import (
+    choose_sites,
+    latest_of_every_site,
+    one_plan_for_every_site,
+    site_dir,
+    site_resume,
+)
 from holmes_lightning.launch.processes import OUTER_STORE_ENV, SITE_ENV, SITES_ENV, site_rank_envs
 from holmes_lightning.planner import BatchSettings, MachineCosts, ModelProfile, PlanOptions, best_plan
 from holmes_lightning.planner.sites import DiLoCoSettings, predict_diloco, site_batches
@@ -49,6 +55,9 @@ def as_sites(count: int, work: Callable[[int, dist.ProcessGroupGloo], Any]) -> l
         thread.start()
     for thread in threads:
         thread.join(timeout=60)
+    failed = [result for result in results if isinstance(result, Exception) and not isinstance(result, SiteError)]
+    if failed:
+        raise failed[0]
     return results
 
 
@@ -80,7 +89,7 @@ def test_every_site_starts_from_the_first_sites_weights_and_takes_nesterov_steps
         assert torch.equal(second["after"][name], first["after"][name])
 
 
-def test_a_streamed_fragment_lands_after_its_overlap_steps_and_the_rest_keeps_its_local_progress():
+def test_a_streamed_fragment_lands_after_its_overlap_steps_keeping_the_progress_made_meanwhile():
     settings = DiLoCoSettings(sync_every=4, fragments=2, overlap_steps=1)
 
     def work(site: int, group: dist.ProcessGroupGloo) -> list[tuple[int, list[int]]]:
@@ -93,10 +102,12 @@ def test_a_streamed_fragment_lands_after_its_overlap_steps_and_the_rest_keeps_it
                     p.add_(0.01 * (site + 1))
                 diloco.after_inner_step(step)
                 seen.append((step, sorted(sync.fragment for sync in diloco.pending)))
+                if step == 3:
+                    landed = [p.detach().clone() for p in net.parameters()]
             diloco.flush()
-        return seen, diloco.outer_steps, [p.detach().clone() for p in net.parameters()]
+        return seen, diloco.outer_steps, [p.detach().clone() for p in net.parameters()], landed
 
-    (seen, outer_steps, first), (_, _, second) = as_sites(2, work)
+    (seen, outer_steps, first, landed_a), (_, _, second, landed_b) = as_sites(2, work)
     # fragment 0 starts at steps 2 and 6, fragment 1 at 4 and 8; each is applied one inner step later
     assert seen == [(1, []), (2, [0]), (3, []), (4, [1]), (5, []), (6, [0]), (7, []), (8, [1])]
     assert outer_steps == 4
@@ -104,6 +115,8 @@ def test_a_streamed_fragment_lands_after_its_overlap_steps_and_the_rest_keeps_it
     for i, (a, b) in enumerate(zip(first, second, strict=True)):
         applied_last = i in fragments[1]  # flushed after step 8: equal; fragment 0 moved on locally at step 7-8
         assert torch.equal(a, b) == applied_last
+    for i in fragments[0]:  # landed after step 3: the outer result plus each site's own step 3 (0.01 and 0.02)
+        torch.testing.assert_close(landed_b[i] - landed_a[i], torch.full_like(landed_a[i], 0.01))
 
 
 def test_sites_whose_ranks_hold_other_shards_are_refused_on_every_site():
@@ -280,3 +293,18 @@ def test_train_py_runs_diloco_over_two_sites_and_resumes_exactly(tmp_path):
     for name, tensor in a["state_dict"].items():
         assert torch.equal(tensor, b["state_dict"][name]), name  # the outer step landed on both sites
     assert set(a["diloco"]) == {"outer", "momentum"} and a["diloco"]["momentum"]
+
+
+def test_every_site_runs_the_slowest_sites_plan_or_the_job_is_refused_naming_each_sites_plan():
+    config = TrainConfig(model=ModelConfig())
+    config.data.global_batch = 16
+    topology, profile = Topology.from_config("multi_site"), ModelProfile.from_gpt(ModelConfig())
+    three = (("A",), ("B",), ("C",))
+    pinned = one_plan_for_every_site(config, topology, three, profile, options=PlanOptions(), costs=MachineCosts())
+    assert {p.split("=")[0] for p in pinned} == {
+        f"strategy.{k}" for k in ("pp", "dp", "partition", "sharding", "schedule")
+    }
+    assert "strategy.partition=[3, 3]" in pinned
+    two = (("A", "B"), ("C",))  # 4 ranks and 2: no plan holds rank i's shards alike
+    with pytest.raises(ConfigError, match=r"no one plan fits every site \(site A\+B: .*; site C: "):
+        one_plan_for_every_site(config, topology, two, profile, options=PlanOptions(), costs=MachineCosts())

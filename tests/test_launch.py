@@ -49,6 +49,18 @@ def test_holmes_launch_runs_any_command_with_cluster_overrides(capfd):
     )
 
 
+PRINT_SITE = (
+    "import os; e = os.environ; "
+    "os.write(1, f\"rank {e['RANK']} of {e['WORLD_SIZE']} site {e['HOLMES_SITE']} of {e['HOLMES_SITES']}\\n\".encode())"
+)
+
+
+def test_holmes_launch_starts_each_site_as_a_job_of_its_own(capfd):
+    assert main(["cluster=multi_site", "sites=A|B|C", "--", sys.executable, "-c", PRINT_SITE]) == 0
+    ranks = sorted(line for line in capfd.readouterr().out.splitlines() if line.startswith("rank"))
+    assert ranks == sorted(f"rank {r} of 2 site {site} of A|B|C" for site in "ABC" for r in range(2))
+
+
 def test_holmes_launch_help(capsys):
     assert main(["--help"]) == 0
     assert "holmes-launch cluster=NAME" in capsys.readouterr().out
@@ -64,6 +76,8 @@ def test_holmes_launch_help(capsys):
         (["cluster=two_cluster_mixed", "cluster.devices_per_node=0", "--", "CMD"], "cluster.devices_per_node=0: must"),
         (["cluster=two_cluster_mixed", "lab=emulate", "lab.bandwidth_scale=-1", "--", "CMD"], "lab.bandwidth_scale"),
         (["cluster=two_cluster_mixed", "lab.mode=netns", "--", "CMD"], "lab.mode=netns: Invalid value 'netns'"),
+        (["cluster=multi_site", "sites=A|C", "--", "CMD"], "sites='A|C' is not a way the links of cluster"),
+        (["cluster=ib_only", "sites=auto", "--", "CMD"], "cluster 'ib_only' is one site"),
     ],
 )
 def test_holmes_launch_bad_input_is_one_error_line_before_anything_starts(args, message, capfd, tmp_path):

@@ -7,9 +7,10 @@ planner's free choice; `bench=regret` (about 7) measures every configuration of 
 choice (`bench.regret`); `bench=memory` each rank's peak memory next to the planner's estimate (`bench.memory`);
 `bench=overhead` HolmesStrategy on one device against plain Lightning (`bench.overhead`); `bench=elastic` train.py
 with a rank killed after a checkpoint: the restart's phases, tokens/s before and after (`bench.elastic`; it plans as
-train.py does, not by `strategy` below). Needs root for the lab's namespaces (without, links are not shaped and it
-says so). Holmes runs at pp=2 (`strategy.pp`), the degrees the paper compares at; `strategy.pp=null` lets the planner
-choose.
+train.py does, not by `strategy` below); `bench=sites` train.py across two sites 1 Gb/s apart: one pipeline, flat DP
+and DiLoCo against the homogeneous limit, tokens/s and loss curves (`bench.sites`). Needs root for the lab's
+namespaces (without, links are not shaped and it says so). Holmes runs at pp=2 (`strategy.pp`), the degrees the
+paper compares at; `strategy.pp=null` lets the planner choose.
 
 Method: the same GPT, byte corpus, global batch and steps for every variant, each started in the lab on its own
 emulated network: Holmes on the hybrid cluster, on its homogeneous limit (`Topology.homogeneous()`) and with the
@@ -44,6 +45,7 @@ from holmes_lightning.bench.regime import derive, rederive
 from holmes_lightning.bench.regret import run_regret_bench
 from holmes_lightning.bench.report import draw, markdown, regime, write_json
 from holmes_lightning.bench.runner import measure_model, run_bench
+from holmes_lightning.bench.sites import run_sites_bench
 from holmes_lightning.cli.config import register_configs
 from holmes_lightning.measure.calibration import CACHE_ENV
 from holmes_lightning.topology import Topology, config_dir
@@ -71,6 +73,11 @@ def run(config: BenchJobConfig, out_dir: Path) -> Path:
         print(table)
         print(f"bench: wrote {out_dir / 'elastic.md'}, elastic.json and elastic.png")
         return out_dir / "elastic.md"
+    if settings.kind == "sites":
+        _, table = run_sites_bench(settings, out_dir)
+        print(table)
+        print(f"bench: wrote {out_dir / 'sites.md'}, sites.json and sites.png")
+        return out_dir / "sites.md"
     if settings.kind == "regret":
         _, table = run_regret_bench(settings, config.strategy, out_dir)
         print(table)

@@ -16,12 +16,14 @@ FREE_CHOICE = "holmes_free"  # Holmes with no degree, partition or sharding pinn
 MEMORY_VARIANTS = ("memory_fsdp", "memory_replicas", "memory_eager")
 AC_VARIANTS = ("memory_fsdp_ac_off", "memory_fsdp_ac_full", "memory_fsdp_ac_selective")  # bench.activations' job
 OVERHEAD_VARIANTS = ("plain", "holmes")
+SITES_VARIANTS = ("homogeneous", "pipeline", "flat_dp", "diloco")
 KINDS = {
     "speed": (*VARIANTS, FREE_CHOICE),
     "memory": (*MEMORY_VARIANTS, *AC_VARIANTS),
     "overhead": OVERHEAD_VARIANTS,
     "regret": tuple(shipped_cluster_names()),
     "elastic": tuple(shipped_cluster_names()),
+    "sites": SITES_VARIANTS,
 }
 
 
@@ -125,6 +127,33 @@ class ElasticJob:
 
 
 @dataclass
+class SitesJob:
+    """The cross-site bench's job on `cluster` (sites a slow WAN apart): the homogeneous limit and DiLoCo (an outer
+    step every H of `sync_every` inner steps, each all-reduce overlapping `overlap_steps` inner steps) train
+    `max_steps` steps, their losses compared over the last `final_window`; the pipeline across the WAN and flat DP,
+    synchronous as the homogeneous run is but far slower, run `short_steps` steps for their tokens/s."""
+
+    cluster: str = "two_sites_1gbps"
+    max_steps: int = 120
+    short_steps: int = 10
+    sync_every: list[int] = field(default_factory=lambda: [10, 50])
+    overlap_steps: int = 8
+    final_window: int = 10
+
+    def __post_init__(self) -> None:
+        if self.cluster not in shipped_cluster_names():
+            raise ConfigError(f"bench.sites.cluster={self.cluster!r}: use a shipped cluster config with 2+ sites")
+        if not self.sync_every or min(self.sync_every) <= self.overlap_steps or max(self.sync_every) >= self.max_steps:
+            raise ConfigError(
+                f"bench.sites.sync_every={list(self.sync_every)!r}: give one or more H above "
+                f"bench.sites.overlap_steps={self.overlap_steps} and below bench.sites.max_steps={self.max_steps}"
+            )
+        for name in ("short_steps", "final_window", "overlap_steps"):
+            if not 1 <= getattr(self, name) <= self.max_steps:
+                raise ConfigError(f"bench.sites.{name}={getattr(self, name)!r}: use 1 to bench.sites.max_steps")
+
+
+@dataclass
 class BenchSettings:
     """One benchmark size: the model, batch and steps every variant runs, and how the cost model is calibrated.
 
@@ -134,7 +163,8 @@ class BenchSettings:
     Lightning, alternated `repeats` times, `bench.overhead`), "regret" (every configuration of a small job on each
     shipped cluster config named in `variants`, measured, against the planner's choice; `bench.regret`) or "elastic"
     (train.py on each cluster named in `variants`, a rank killed, the restart's phases and tokens/s before and after;
-    `elastic`, `bench.elastic`).
+    `elastic`, `bench.elastic`) or "sites" (train.py across sites a slow WAN apart: one pipeline, flat DP, DiLoCo
+    and the homogeneous limit, `sites`, `bench.sites`).
     `match`: derive the model, global batch and bandwidth scale from a reference setting instead (`RegimeMatch`).
     `prediction_tolerance`: how far each run's predicted step may be from the measured one. `calibration_seconds`: how
     long each distinct layer of the model is timed (`holmes_lightning.measure.calibration`).
@@ -169,6 +199,7 @@ class BenchSettings:
     hf_model: HFModelConfig | None = None
     activations: ActivationsJob | None = None
     elastic: ElasticJob | None = None
+    sites: SitesJob | None = None
     schedules: list[Schedule] | None = None
 
     def __post_init__(self) -> None:
@@ -208,6 +239,11 @@ class BenchSettings:
             raise ConfigError(
                 f"bench.elastic with bench.kind={self.kind}: give bench.elastic (the job's checkpoints and the rank "
                 f"killed) exactly when bench.kind=elastic, as conf/bench/elastic.yaml does"
+            )
+        if (self.kind == "sites") != (self.sites is not None):
+            raise ConfigError(
+                f"bench.sites with bench.kind={self.kind}: give bench.sites exactly when bench.kind=sites, as "
+                f"conf/bench/sites.yaml does"
             )
         if self.schedules is not None and (not self.schedules or any(Schedule(s).chosen for s in self.schedules)):
             raise ConfigError(

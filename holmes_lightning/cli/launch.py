@@ -26,27 +26,31 @@ from holmes_lightning.cli.config import ConfigError, ElasticConfig, LabConfig, L
 from holmes_lightning.lab.run import run_in_lab
 from holmes_lightning.launch.job import RESTART_ENV
 from holmes_lightning.launch.processes import JobEnd, launch_job
+from holmes_lightning.planner.sites import find_grouping
 from holmes_lightning.topology import ClusterSpec, Topology, config_dir
 
 USAGE = (
     "usage: holmes-launch cluster=NAME [cluster.KEY=VALUE ...] [lab=emulate] [lab.bandwidth_scale=X]\n"
-    "                     [elastic.max_restarts=N elastic.min_nodes=M] -- COMMAND ...\n"
+    "                     [elastic.max_restarts=N elastic.min_nodes=M] [sites=auto|'A+B|C'] -- COMMAND ...\n"
     "Runs COMMAND once per rank of the cluster config on this machine, numbered as torchrun numbers a multi-node job\n"
     "(RANK, LOCAL_RANK, GROUP_RANK, WORLD_SIZE, MASTER_ADDR, ...). lab=emulate runs each node in the lab's emulated\n"
     "network (needs root; otherwise plain loopback, with a notice). elastic.max_restarts=N: a rank killed by a\n"
-    "signal counts its node as lost and COMMAND runs again on the nodes left (resuming its checkpoint). Example:\n"
+    "signal counts its node as lost and COMMAND runs again on the nodes left (resuming its checkpoint). sites=...:\n"
+    "each site a job of its own, as HolmesStrategy(cross_site='diloco') runs (auto: the fewest sites). Example:\n"
     "  holmes-launch cluster=two_cluster_mixed lab=emulate -- python recipes/train_my_model.py"
 )
 
 
 @dataclass
 class LaunchConfig:
-    """`holmes-launch`'s command line: the cluster to run (required) and where its ranks run."""
+    """`holmes-launch`'s command line: the cluster to run (required), where its ranks run and, for DiLoCo, the sites
+    each started as a job of its own."""
 
     defaults: list[Any] = field(default_factory=lambda: ["_self_", {"cluster": "???"}, {"lab": "loopback"}])
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
     lab: LabConfig = field(default_factory=LabConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    sites: str | None = None  # DiLoCo: each site a job of its own; "auto" (the fewest sites) or e.g. "A+B|C"
 
 
 def start_ranks(
@@ -144,14 +148,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config, command = parse_args(args)
         topology = Topology.from_config(config.cluster)
-    except (HydraException, OmegaConfBaseException, ValueError) as err:  # ConfigError, TopologyError
+        sites = (
+            None if config.sites is None else find_grouping(topology, None if config.sites == "auto" else config.sites)
+        )
+    except (HydraException, OmegaConfBaseException, ValueError) as err:  # ConfigError, TopologyError, PlanError
         print(f"error: {error_line(err)}", file=sys.stderr, flush=True)
         return 2
     print(
         f"holmes-launch: {topology.world_size} ranks of {topology.name!r} ({config.lab.mode}): {' '.join(command)}",
         flush=True,
     )
-    return start_ranks(command, topology, config.lab, config.elastic)
+    return start_ranks(command, topology, config.lab, config.elastic, sites=sites)
 
 
 if __name__ == "__main__":

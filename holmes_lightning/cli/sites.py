@@ -3,12 +3,29 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import holmes_lightning.runtime.checkpoint as checkpoint
 from holmes_lightning.cli.config import ConfigError, CrossSite, TrainConfig
-from holmes_lightning.planner import BatchSettings, MachineCosts, ModelProfile, Plan, PlanError, PlanOptions
-from holmes_lightning.planner.sites import Grouping, find_grouping, grouping_label, predict_diloco, site_options
+from holmes_lightning.planner import (
+    BatchSettings,
+    MachineCosts,
+    ModelProfile,
+    Plan,
+    PlanError,
+    PlanOptions,
+    best_plan,
+)
+from holmes_lightning.planner.sites import (
+    Grouping,
+    find_grouping,
+    grouping_label,
+    predict_diloco,
+    site_batches,
+    site_options,
+    site_topology,
+)
 from holmes_lightning.topology import Topology
 
 PROFILE_BYTES_PER_VALUE = 2  # the profiles' parameter bytes are counted in bf16 (`ModelProfile.from_gpt`)
@@ -79,6 +96,59 @@ def _auto_choice(
         opt_in = "DiLoCo changes the optimisation: set diloco.allowed=true to let auto choose it"
         return False, f"one pipeline: {predicted} over {diloco.label}, but diloco.allowed=false ({opt_in})"
     return faster, f"{'DiLoCo over ' + diloco.label if faster else 'one pipeline'}: {predicted}"
+
+
+def one_plan_for_every_site(
+    config: TrainConfig,
+    topology: Topology,
+    grouping: Grouping,
+    profile: ModelProfile,
+    *,
+    options: PlanOptions,
+    costs: MachineCosts,
+) -> list[str]:
+    """The slowest site's plan (its degrees, layers per stage, sharding and schedule; each site picks its own
+    micro-batches) as `strategy.*` overrides every site's ranks run: planned apart, each on its own calibration, the
+    sites' plans could differ. Checked first that every site can run it with rank i of every site on the same shards,
+    as DiLoCo's outer all-reduce needs; a ConfigError naming each site's plan if not, before any rank starts."""
+    batches = site_batches(topology, grouping, config.data.global_batch)
+    machines = [site_topology(topology, site) for site in grouping]
+
+    def plans(given: PlanOptions, microbatches: int | None) -> list[Plan]:
+        return [
+            best_plan(site, profile, BatchSettings(samples, microbatches), options=given, costs=costs)
+            for site, samples in zip(machines, batches, strict=True)
+        ]
+
+    apart = plans(options, config.strategy.microbatches)
+    slowest = max(apart, key=lambda plan: plan.prediction.total_s)
+    layers = [stop - start for start, stop in sorted(chunk for stage in slowest.stages for chunk in stage.chunks)]
+    pinned = {
+        "pp": slowest.pp,
+        "dp": slowest.dp,
+        "partition": layers,
+        "sharding": slowest.sharding,
+        "schedule": slowest.schedule,
+    }
+    try:
+        alike = plans(replace(options, **pinned), config.strategy.microbatches)
+    except PlanError as error:
+        alike, why = [], str(error)
+    else:
+        why = ""
+    shapes = {(plan.sharding, tuple((stage.ranks, stage.chunks) for stage in plan.stages)) for plan in alike}
+    if len(shapes) != 1 or len(alike) != len(grouping):
+        described = "; ".join(
+            f"site {'+'.join(site)}: {plan.pp}x{plan.dp}, layers {'/'.join(map(str, plan.layers_per_stage()))}"
+            for site, plan in zip(grouping, apart, strict=True)
+        )
+        raise ConfigError(
+            f"strategy.cross_site=diloco: no one plan fits every site ({described}{'; ' + why if why else ''}); "
+            f"DiLoCo averages rank i of every site with the others' rank i, so the sites need as many ranks and one "
+            f"plan: group the clusters into other sites (diloco.sites) or pin strategy.pp, strategy.dp and "
+            f"strategy.partition"
+        )
+    return [f"strategy.{name}={list(value) if isinstance(value, list) else value}" for name, value in pinned.items()]
 
 
 def site_dir(directory: str, label: str) -> str:

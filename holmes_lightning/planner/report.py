@@ -80,7 +80,12 @@ def format_cross_site(
     pipeline: Plan, predictions: Sequence[DiLoCoPrediction], problems: Sequence[str], settings: DiLoCoSettings
 ) -> str:
     """Holmes' one pipeline across the clusters next to DiLoCo over each way of seeing them as sites."""
-    streaming = "streamed during the next inner steps" if settings.streaming else "after them"
+    fragments = f"in {settings.fragments} fragments, " if settings.fragments > 1 else ""
+    streaming = (
+        f"streamed {fragments}each over the next {settings.overlap_steps} inner step(s)"
+        if settings.streaming
+        else "after them"
+    )
     lines = [
         f"Across sites: one pipeline, or DiLoCo (a replica per site planned by Holmes, pseudo-gradients of "
         f"{settings.outer_bits} bits all-reduced every {settings.sync_every} steps, {streaming}):",

@@ -6,7 +6,8 @@ agreed on.
 Rank i of every site holds the same shards (the sites plan alike, checked at start), so the outer all-reduce runs
 between ranks of equal site-local rank, one group per rank, and never gathers a parameter. Streaming: the parameters
 split into `fragments` synchronised in turn, each all-reduce running while the next `overlap_steps` inner steps do;
-the outer result then replaces that fragment's parameters (as torchft's DiLoCo with fragment_update_alpha=0).
+the fragment's parameters then become the outer result plus what those inner steps changed (where torchft's DiLoCo
+with fragment_update_alpha=0 drops that progress), so a long overlap hides a slow WAN without losing steps.
 
 Written here rather than taken from torchft: torchft's DiLoCo needs its Manager, a lighthouse server and a quorum
 per step to form its replica groups, where the sites here are fixed at launch and their groups are plain gloo ones.
@@ -118,18 +119,22 @@ def outer_group(
 
 @dataclass
 class _Sync:
-    """One fragment's all-reduce in flight: its pseudo-gradients summed over the sites (flat, once `work` is done) and
-    the inner step it is applied after."""
+    """One fragment's all-reduce in flight: its pseudo-gradients summed over the sites (flat, once `work` is done),
+    the inner step it is applied after and this rank's own pseudo-gradients when inner steps run meanwhile."""
 
     fragment: int
     summed: torch.Tensor
     work: dist.Work
     due: int
+    sent: list[torch.Tensor]  # this rank's own pseudo-gradients, kept while inner steps overlap the all-reduce
 
 
 class DiLoCo:
     """The outer parameters and optimizer of this rank's parameters (`named`: its stage's, as the inner optimizer
-    holds them), synchronised with the same rank of every other site over `group`."""
+    holds them), synchronised with the same rank of every other site over `group`.
+
+    `replicas`: the site's ranks that hold the same parameters as this one (its stage's DP group when the stage keeps
+    full replicas): each then sends its share of them over the WAN, and they gather the sums over their own links."""
 
     def __init__(
         self,
@@ -138,10 +143,12 @@ class DiLoCo:
         settings: DiLoCoSettings,
         *,
         site_label: str,
+        replicas: dist.ProcessGroup | None = None,
     ) -> None:
         pairs = list(named)
         self.names, self.params = [name for name, _ in pairs], [param for _, param in pairs]
         self.group, self.settings, self.sites = group, settings, group.size()
+        self.replicas = replicas if replicas is not None and dist.get_world_size(replicas) > 1 else None
         check_alike(self.names, self.params, group, site_label)
         self._broadcast_from_first_site()
         with torch.no_grad():
@@ -182,30 +189,53 @@ class DiLoCo:
         with torch.no_grad():
             deltas = [(_local(self.outer[i]) - _local(self.params[i])).flatten() for i in indices]
             flat = torch.cat(deltas).to(torch.bfloat16 if self.settings.outer_bits == 16 else torch.float32)
-            work = self.group.allreduce([flat])
+            if self.replicas is not None:
+                flat = torch.nn.functional.pad(flat, (0, -flat.numel() % dist.get_world_size(self.replicas)))
+            work = self.group.allreduce([self._share(flat)])
         overlap = self.settings.overlap_steps if self.settings.streaming else 0
-        self.pending.append(_Sync(fragment, flat, work, done + overlap))
+        sent = [delta.clone() for delta in deltas] if overlap else []
+        self.pending.append(_Sync(fragment, flat, work, done + overlap, sent))
         if overlap == 0:
             self._apply(self.pending[-1])
 
+    def _share(self, flat: torch.Tensor) -> torch.Tensor:
+        """The part of `flat` this rank sends over the WAN: all of it, or among replicas its row of `flat` (padded to
+        as many rows as replicas), a view."""
+        if self.replicas is None:
+            return flat
+        return flat.view(dist.get_world_size(self.replicas), -1)[dist.get_rank(self.replicas)]
+
     def _apply(self, sync: _Sync) -> None:
-        """The outer step for one fragment: its averaged pseudo-gradients as the outer gradients, then its parameters
-        become the outer ones."""
+        """The outer step for one fragment, its averaged pseudo-gradients as the outer gradients; its parameters become
+        the new outer ones plus what the inner steps since the all-reduce started changed (nothing is lost to the
+        overlap: the next pseudo-gradient carries it)."""
         sync.work.wait()
         self.pending.remove(sync)
         indices = self.fragments[sync.fragment]
         with torch.no_grad():
+            if self.replicas is not None:
+                dist.all_gather_into_tensor(sync.summed, self._share(sync.summed).clone(), group=self.replicas)
+            sizes = [_local(self.outer[i]).numel() for i in indices]
+            since = (
+                [  # parameters now less those the pseudo-gradients were taken from (outer - sent)
+                    _local(self.params[i]).flatten() - _local(self.outer[i]).flatten() + sent
+                    for i, sent in zip(indices, sync.sent, strict=True)
+                ]
+                if sync.sent
+                else []
+            )
             for outer in self.outer:
                 outer.grad = None
-            sizes = [_local(self.outer[i]).numel() for i in indices]
-            for i, summed in zip(indices, sync.summed.split(sizes), strict=True):
+            for i, summed in zip(indices, sync.summed[: sum(sizes)].split(sizes), strict=True):
                 grad = torch.zeros_like(self.outer[i])
                 local = _local(grad)
                 local.copy_(summed.view(local.shape).to(local.dtype) / self.sites)
                 self.outer[i].grad = grad
             self.optimizer.step()
-            for i in indices:
+            for k, i in enumerate(indices):
                 self.params[i].detach().copy_(self.outer[i])
+                if since:
+                    _local(self.params[i]).add_(since[k].view(_local(self.params[i]).shape))
                 self.outer[i].grad = None
         self.outer_steps += 1
 

@@ -37,6 +37,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -431,7 +432,9 @@ class HolmesStrategy(ModelParallelStrategy):
             f"HolmesStrategy: DiLoCo, site {self.site.label} of {grouping_label(self.site.grouping)}, an outer step "
             f"every {self.diloco_settings.sync_every} inner steps"
         )
-        return DiLoCo(named, self.site.group, self.diloco_settings, site_label=self.site.label)
+        sharded = any(isinstance(p, DTensor) for _, p in named)
+        replicas = None if sharded or self.plan_mesh is None else self.plan_mesh.dp_group
+        return DiLoCo(named, self.site.group, self.diloco_settings, site_label=self.site.label, replicas=replicas)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
