@@ -37,7 +37,7 @@ from holmes_lightning.cli.targets import added_keys
 from holmes_lightning.launch import job
 from holmes_lightning.launch.processes import LAUNCHED_ENV, SITE_ENV, launched_topology
 from holmes_lightning.planner import BatchSettings, ModelProfile, Plan, PlanError
-from holmes_lightning.planner.sites import Grouping, grouping_label
+from holmes_lightning.planner.sites import Grouping, grouping_label, site_options
 from holmes_lightning.planner.survivors import plan_on_most_nodes
 from holmes_lightning.recipes import RunSummary, throughput_monitor
 from holmes_lightning.runtime import HolmesStrategy, checkpoint
@@ -71,14 +71,16 @@ def main(cfg: DictConfig) -> None:
         strategy = make_strategy(config, topology, timeout_s)
         site = launched_site(config)
         machines, batch = (topology, strategy.batch) if site is None else site_machines(config, topology, site)
-        plan = None
+        plan, options = None, strategy.options
+        if config.strategy.cross_site is CrossSite.diloco and site is None:  # pp, dp, partition describe a site
+            options = site_options(options)
         if profile is not None:  # your own module's profile is known once the ranks build it: they check its plan
-            plan = validate.check_plan(config, machines, batch, profile, options=strategy.options, costs=strategy.costs)
+            plan = validate.check_plan(config, machines, batch, profile, options=options, costs=strategy.costs)
         sites, pinned = None, []
         if not is_rank_process():
             options, costs = strategy.options, strategy.costs
             sites = choose_sites(config, topology, plan, profile, batch=batch, options=options, costs=costs)
-            if sites is not None and profile is not None:
+            if sites is not None and profile is not None:  # the site's options as given
                 pinned = one_plan_for_every_site(config, topology, sites, profile, options=options, costs=costs)
         if sites is not None and config.resume == "auto":  # the newest step that every site saved
             newest = latest_of_every_site(config.checkpoint.dir, sites)

@@ -308,3 +308,24 @@ def test_every_site_runs_the_slowest_sites_plan_or_the_job_is_refused_naming_eac
     two = (("A", "B"), ("C",))  # 4 ranks and 2: no plan holds rank i's shards alike
     with pytest.raises(ConfigError, match=r"no one plan fits every site \(site A\+B: .*; site C: "):
         one_plan_for_every_site(config, topology, two, profile, options=PlanOptions(), costs=MachineCosts())
+
+
+@pytest.mark.slow
+def test_train_py_diloco_keeps_fsdp_shards_and_their_outer_state_alike_on_every_site(tmp_path):
+    """FSDP2 inside each site (pp=1 x dp=2 pinned): the outer step works on DTensor shards, DCP saves the outer state
+    sharded, and at an outer step (6, streamed, landed before the save) both sites hold the same weights."""
+    train_py(
+        tmp_path,
+        "strategy.sharding=fsdp",
+        "strategy.pp=1",
+        "strategy.dp=2",
+        "diloco.sync_every=3",
+        "diloco.outer_bits=16",
+        "checkpoint.every_n_steps=6",
+        "trainer.max_steps=6",
+        "trainer.warmup_steps=2",
+    )
+    a, b = (weights(tmp_path / f"checkpoints/site-{s}/step_000006.ckpt", tmp_path / f"{s}.pt") for s in "AB")
+    for name, tensor in a["state_dict"].items():
+        assert torch.equal(tensor, b["state_dict"][name]), name
+        assert torch.equal(a["diloco"]["outer"][name], tensor), name  # the parameters took the outer ones
