@@ -37,7 +37,7 @@ from holmes_lightning.cli.targets import added_keys
 from holmes_lightning.launch import job
 from holmes_lightning.launch.processes import LAUNCHED_ENV, SITE_ENV, launched_topology
 from holmes_lightning.planner import BatchSettings, ModelProfile, Plan, PlanError
-from holmes_lightning.planner.sites import Grouping, grouping_label, site_options
+from holmes_lightning.planner.sites import Grouping, diloco_options, grouping_label, site_options
 from holmes_lightning.planner.survivors import plan_on_most_nodes
 from holmes_lightning.recipes import RunSummary, throughput_monitor
 from holmes_lightning.runtime import HolmesStrategy, checkpoint
@@ -72,7 +72,9 @@ def main(cfg: DictConfig) -> None:
         site = launched_site(config)
         machines, batch = (topology, strategy.batch) if site is None else site_machines(config, topology, site)
         plan, options = None, strategy.options
-        if config.strategy.cross_site is CrossSite.diloco and site is None:  # pp, dp, partition describe a site
+        if site is not None:
+            options = diloco_options(options)
+        elif config.strategy.cross_site is CrossSite.diloco:  # pp, dp and partition describe a site
             options = site_options(options)
         if profile is not None:  # your own module's profile is known once the ranks build it: they check its plan
             plan = validate.check_plan(config, machines, batch, profile, options=options, costs=strategy.costs)

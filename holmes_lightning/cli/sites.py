@@ -19,6 +19,7 @@ from holmes_lightning.planner import (
 )
 from holmes_lightning.planner.sites import (
     Grouping,
+    diloco_options,
     find_grouping,
     grouping_label,
     predict_diloco,
@@ -113,6 +114,7 @@ def one_plan_for_every_site(
     as DiLoCo's outer all-reduce needs; a ConfigError naming each site's plan if not, before any rank starts."""
     batches = site_batches(topology, grouping, config.data.global_batch)
     machines = [site_topology(topology, site) for site in grouping]
+    options = diloco_options(options)
 
     def plans(given: PlanOptions, microbatches: int | None) -> list[Plan]:
         return [

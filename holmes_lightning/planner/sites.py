@@ -223,11 +223,19 @@ def predict_diloco(
     )
 
 
+OUTER_STATE = 2.0  # DiLoCo's outer parameters and their momenta: two more copies per parameter byte
+
+
+def diloco_options(options: PlanOptions) -> PlanOptions:
+    """A site's plan options under DiLoCo: its memory also holds the outer parameters and momenta."""
+    return replace(options, state_multiplier=options.state_multiplier + OUTER_STATE)
+
+
 def site_options(options: PlanOptions) -> PlanOptions:
-    """The user's plan options for one site: less what describes the whole job (pp, dp, an explicit partition), which
-    the planner then chooses per site."""
+    """The user's plan options for one site where they were given for the whole job: less what describes the whole
+    job (pp, dp, an explicit partition), which the planner then chooses per site; DiLoCo's memory counted."""
     partition = options.partition if isinstance(options.partition, PartitionRule) else PartitionRule.auto
-    return replace(options, pp=None, dp=None, partition=partition)
+    return diloco_options(replace(options, pp=None, dp=None, partition=partition))
 
 
 def compare_cross_site(

@@ -60,7 +60,7 @@ from holmes_lightning.planner import (
     SettingError,
     Sharding,
 )
-from holmes_lightning.planner.sites import DiLoCoSettings, grouping_label
+from holmes_lightning.planner.sites import DiLoCoSettings, diloco_options, grouping_label
 from holmes_lightning.runtime.assembly import assemble
 from holmes_lightning.runtime.contract import (
     check_automatic_optimization,
@@ -290,6 +290,7 @@ class HolmesStrategy(ModelParallelStrategy):
             if self.cross_site == "diloco" or (self.cross_site == "auto" and SITE_ENV in os.environ):
                 global_batch = None if self.batch is None else self.batch.global_batch
                 self.site = Site.launched(source, SiteLaunch.from_env(), global_batch)
+                self.options = diloco_options(self.options)
                 source = self.site.topology
                 if self.batch is not None and self.site.batch is not None:
                     self.batch = replace(self.batch, global_batch=self.site.batch)
