@@ -283,22 +283,14 @@ class ElasticConfig:
 
 
 @dataclass
-class DiLoCoConfig:
-    """DiLoCo across sites (`strategy.cross_site=diloco`, and as the plan CLI predicts it next to one pipeline):
-    `sync_every` inner steps between outer steps (H); `outer_bits` per pseudo-gradient value sent (32 or 16; 8 and 4,
-    quantised as Streaming DiLoCo does, are predicted only); `streaming`: the parameters go in `fragments`
-    synchronised in turn, each all-reduce running during the next `overlap_steps` inner steps; `outer_lr`,
-    `outer_momentum`: the outer Nesterov SGD's; `sites`: how the clusters group into sites (`A+B|C`; null: the fewest
-    sites the links cut them into); `allowed`: `strategy.cross_site=auto` may choose DiLoCo (it changes the
-    optimisation, so only when you say so)."""
+class DiLoCoConfig(_editable(DiLoCoSettings)):
+    """DiLoCo across sites (`strategy.cross_site=diloco`, and as the plan CLI predicts it next to one pipeline): the
+    `DiLoCoSettings` fields (`sync_every` inner steps between outer steps; `outer_bits` per pseudo-gradient value sent,
+    32 or 16, 8 and 4 predicted only; `streaming` in `fragments`, each all-reduce running during the next
+    `overlap_steps` inner steps; the outer Nesterov SGD's `outer_lr` and `outer_momentum`), plus `sites`: how the
+    clusters group into sites (`A+B|C`; null: the fewest sites the links cut them into), and `allowed`:
+    `strategy.cross_site=auto` may choose DiLoCo (it changes the optimisation, so only when you say so)."""
 
-    sync_every: int = 500
-    outer_bits: int = 32
-    streaming: bool = True
-    fragments: int = 1
-    overlap_steps: int = 1
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
     sites: str | None = None
     allowed: bool = False
 
@@ -307,15 +299,7 @@ class DiLoCoConfig:
 
     def settings(self) -> DiLoCoSettings:
         try:
-            return DiLoCoSettings(
-                self.sync_every,
-                self.outer_bits,
-                self.streaming,
-                self.fragments,
-                self.overlap_steps,
-                self.outer_lr,
-                self.outer_momentum,
-            )
+            return DiLoCoSettings(**{f.name: getattr(self, f.name) for f in fields(DiLoCoSettings)})
         except SettingError as error:
             raise ConfigError(str(error.as_written_in("diloco."))) from None
 
