@@ -5,6 +5,7 @@ group over one in-memory store; how train.py chooses between one pipeline and Di
 from __future__ import annotations
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from holmes_lightning.cli.config import ConfigError, CrossSite, DiLoCoConfig, ModelConfig, TrainConfig
+from holmes_lightning.cli.launch import main as launch_main
 from holmes_lightning.cli.sites import (
     choose_sites,
     latest_of_every_site,
@@ -311,21 +313,17 @@ def test_every_site_runs_the_slowest_sites_plan_or_the_job_is_refused_naming_eac
 
 
 @pytest.mark.slow
-def test_train_py_diloco_keeps_fsdp_shards_and_their_outer_state_alike_on_every_site(tmp_path):
-    """FSDP2 inside each site (pp=1 x dp=2 pinned): the outer step works on DTensor shards, DCP saves the outer state
-    sharded, and at an outer step (6, streamed, landed before the save) both sites hold the same weights."""
-    train_py(
-        tmp_path,
-        "strategy.sharding=fsdp",
-        "strategy.pp=1",
-        "strategy.dp=2",
-        "diloco.sync_every=3",
-        "diloco.outer_bits=16",
-        "checkpoint.every_n_steps=6",
-        "trainer.max_steps=6",
-        "trainer.warmup_steps=2",
-    )
-    a, b = (weights(tmp_path / f"checkpoints/site-{s}/step_000006.ckpt", tmp_path / f"{s}.pt") for s in "AB")
+def test_a_users_script_runs_diloco_on_fsdp_shards_under_holmes_launch(tmp_path):
+    """tests/user_script.py's DDP-style module (its own DataLoader split by `distributed_sampler_kwargs`, with a seed
+    of its own) under `holmes-launch sites=auto`: FSDP2 inside each site, bf16 pseudo-gradients; at the last step (an
+    outer step) both sites hold the same weights, their sharded outer state saved by DCP, and their replicas read
+    data of their own."""
+    script = ROOT / "tests" / "user_script.py"
+    command = ["cluster=two_sites_1gbps", "sites=auto", "--", sys.executable, str(script), str(tmp_path), "diloco"]
+    assert launch_main(command) == 0
+    a, b = (weights(tmp_path / f"site-{s}/last.ckpt", tmp_path / f"{s}.pt") for s in "AB")
     for name, tensor in a["state_dict"].items():
         assert torch.equal(tensor, b["state_dict"][name]), name
         assert torch.equal(a["diloco"]["outer"][name], tensor), name  # the parameters took the outer ones
+    losses = [json.loads((tmp_path / f"site-{s}/site-{s}-rank0.json").read_text()) for s in "AB"]
+    assert len(losses[0]) == 6 and losses[0] != losses[1]

@@ -8,6 +8,10 @@ step to OUT/rank<N>.json.
 `python user_script.py OUT registered`: `Trainer(strategy="holmes")` on `$HOLMES_CLUSTER`, no global batch given,
 no `example_input_array`, and a DataLoader of its own batch size split by `distributed_sampler_kwargs`, as a
 DDP script writes it; OUT/rank<N>.json then also holds the plan's DP degree.
+
+`python user_script.py OUT diloco` (under `holmes-launch cluster=two_sites_1gbps sites=auto`): the same DDP-style
+module, each site one replica of FSDP2 over its 2 ranks, DiLoCo every 3 steps with bf16 pseudo-gradients; each site
+saves OUT/site-<NAME>/last.ckpt at the end (an outer step) and its ranks' losses beside it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from holmes_lightning import HolmesStrategy
+from holmes_lightning.planner.sites import DiLoCoSettings
 
 SEED, STEPS, GLOBAL_BATCH, FEATURES, CLASSES = 11, 6, 8, 12, 3
 LOADER_BATCH = 4  # the registered run's DataLoader: samples per DP replica per step
@@ -95,13 +100,20 @@ class StepLosses(L.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def main(out: str, registered: bool = False) -> None:
+def main(out: str, mode: str | None = None) -> None:
     L.seed_everything(SEED)
-    model, losses = (DDPStyleClassifier() if registered else GatedClassifier()), StepLosses()
-    strategy = "holmes" if registered else HolmesStrategy(cluster="two_cluster_mixed", global_batch=GLOBAL_BATCH, pp=2)
+    model, losses = (GatedClassifier() if mode is None else DDPStyleClassifier()), StepLosses()
+    strategy: str | HolmesStrategy = "holmes"
+    if mode is None:
+        strategy = HolmesStrategy(cluster="two_cluster_mixed", global_batch=GLOBAL_BATCH, pp=2)
+    elif mode == "diloco":
+        diloco = DiLoCoSettings(sync_every=3, outer_bits=16)
+        strategy = HolmesStrategy(
+            cluster="two_sites_1gbps", cross_site="diloco", diloco=diloco, pp=1, dp=2, sharding="fsdp"
+        )
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=4,
+        devices=2 if mode == "diloco" else 4,
         strategy=strategy,
         max_steps=STEPS,
         callbacks=[losses],
@@ -111,9 +123,13 @@ def main(out: str, registered: bool = False) -> None:
         enable_model_summary=False,
     )
     trainer.fit(model)
-    written = {"losses": losses.losses, "dp": trainer.strategy.plan.dp} if registered else losses.losses
-    Path(out, f"rank{trainer.global_rank}.json").write_text(json.dumps(written))
+    name = f"rank{trainer.global_rank}"
+    if mode == "diloco":  # a folder per site: each site is a job of its own, and a job owns its checkpoints' folder
+        out, name = str(Path(out, f"site-{trainer.strategy.site.label}")), f"site-{trainer.strategy.site.label}-{name}"
+        trainer.save_checkpoint(Path(out, "last.ckpt"))
+    written = {"losses": losses.losses, "dp": trainer.strategy.plan.dp} if mode == "registered" else losses.losses
+    Path(out, f"{name}.json").write_text(json.dumps(written))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], registered=sys.argv[2:] == ["registered"])
+    main(sys.argv[1], *sys.argv[2:3])

@@ -139,6 +139,11 @@ class TokenDataModule(L.LightningDataModule):
 
     @property
     def per_replica_batch(self) -> int:
+        """The strategy's `replica_batch_size` where it has one (HolmesStrategy: under DiLoCo the replicas of every
+        site share the data, each site's its own batch), else the global batch over the replicas."""
+        asked = getattr(self.trainer.strategy, "replica_batch_size", None) if self.trainer is not None else None
+        if asked is not None:
+            return asked
         if self.global_batch % self.replicas:
             raise ValueError(
                 f"data.global_batch={self.global_batch} does not split over {self.replicas} data-parallel replicas; "

@@ -70,7 +70,7 @@ class SiteLaunch:
 @dataclass
 class Site:
     """This rank's site under DiLoCo: the job's sites, which one this is, its machines, its share of the global batch
-    and, once connected, this site-local rank's group across the sites."""
+    and, once connected, this site-local rank's group across the sites and the replicas of every site."""
 
     launch: SiteLaunch
     grouping: Grouping
@@ -78,6 +78,8 @@ class Site:
     topology: Topology
     batch: int | None
     group: dist.ProcessGroupGloo | None = None
+    replicas: int = 0
+    first_replica: int = 0
 
     @classmethod
     def launched(cls, cluster: Any, launch: SiteLaunch, global_batch: int | None) -> Site:
@@ -97,9 +99,14 @@ class Site:
     def label(self) -> str:
         return "+".join(self.grouping[self.index])
 
-    def connect(self, local_rank: int, timeout: timedelta) -> None:
-        """Join this site-local rank's group across the sites."""
+    def connect(self, local_rank: int, dp: int, timeout: timedelta) -> None:
+        """Join this site-local rank's group across the sites and count every site's `dp` replicas: the data-parallel
+        replicas of the whole job, and the first of this site's among them."""
         self.group = outer_group(self.launch, self.index, len(self.grouping), local_rank, timeout)
+        every = [torch.zeros(1, dtype=torch.long) for _ in self.grouping]
+        self.group.allgather([every], [torch.tensor([dp])]).wait()
+        self.replicas = sum(int(count) for count in every)
+        self.first_replica = sum(int(count) for count in every[: self.index])
 
 
 def outer_group(

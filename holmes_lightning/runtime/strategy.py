@@ -240,10 +240,9 @@ class HolmesStrategy(ModelParallelStrategy):
             return {"num_replicas": 1, "rank": 0}
         if self.plan_mesh is None:
             raise RuntimeError(f"HolmesStrategy: the data split (DP degree) {NOT_YET}")
-        split = {"num_replicas": self._require_plan().dp, "rank": self.plan_mesh.dp_index}
-        if self.site is not None:  # DiLoCo: each site's replicas shuffle the data in an order of their own
-            split["seed"] = int(os.environ.get("PL_GLOBAL_SEED", 0)) + self.site.index
-        return split
+        if self.site is not None:  # DiLoCo: every site's replicas read shards of their own
+            return {"num_replicas": self.site.replicas, "rank": self.site.first_replica + self.plan_mesh.dp_index}
+        return {"num_replicas": self._require_plan().dp, "rank": self.plan_mesh.dp_index}
 
     @contextmanager
     def _reading_one_sample(self) -> Iterator[SampleReading]:
@@ -389,7 +388,7 @@ class HolmesStrategy(ModelParallelStrategy):
                 tied_stages=[tie.stages(self.plan) for tie in across_stages(self._ties, self.plan)],
             )
             if self.site is not None:
-                self.site.connect(self.global_rank, self._timeout)
+                self.site.connect(self.global_rank, self.plan.dp, self._timeout)
         self._device_mesh = self.plan_mesh.mesh
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
