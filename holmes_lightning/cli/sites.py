@@ -59,9 +59,11 @@ def choose_sites(
         return None
     if mode is CrossSite.diloco:
         return grouping
-    why = _auto_choice(topology, grouping, pipeline, profile, batch, config, options, costs)
-    print(f"train.py: strategy.cross_site=auto: {why[1]}", flush=True)
-    return grouping if why[0] and config.elastic.max_restarts == 0 else None
+    faster, why = _auto_choice(topology, grouping, pipeline, profile, batch, config, options, costs)
+    if faster and config.elastic.max_restarts > 0:
+        faster, why = False, f"one pipeline, for elastic.max_restarts={config.elastic.max_restarts} (DiLoCo: {why})"
+    print(f"train.py: strategy.cross_site=auto: {why}", flush=True)
+    return grouping if faster else None
 
 
 def _auto_choice(
