@@ -172,7 +172,8 @@ def run_sites_bench(settings: BenchSettings, out_dir: Path) -> tuple[list[SitesR
         raise ValueError("bench=sites needs bench.sites (conf/bench/sites.yaml)")
     runs = []
     for name, overrides in variants(settings, job).items():
-        print(f"bench sites: {name} ({job.max_steps} steps on {job.cluster})", flush=True)
+        short = name in ("pipeline", "flat_dp")
+        print(f"bench sites: {name} ({job.short_steps if short else job.max_steps} steps on {job.cluster})", flush=True)
         folder = out_dir / name
         command = train_command(settings, job, folder, overrides)
         runs.append(measure(name, command, folder, job, settings.timeout_s, settings.model.seq_len))
