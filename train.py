@@ -35,7 +35,7 @@ from holmes_lightning.cli.sites import (
 )
 from holmes_lightning.cli.targets import added_keys
 from holmes_lightning.launch import job
-from holmes_lightning.launch.processes import LAUNCHED_ENV, SITE_ENV, launched_topology
+from holmes_lightning.launch.processes import LAUNCHED_ENV, launched_topology
 from holmes_lightning.planner import BatchSettings, ModelProfile, Plan, PlanError
 from holmes_lightning.planner.sites import Grouping, diloco_options, grouping_label, site_options
 from holmes_lightning.planner.survivors import plan_on_most_nodes
@@ -43,7 +43,7 @@ from holmes_lightning.recipes import RunSummary, throughput_monitor
 from holmes_lightning.runtime import HolmesStrategy, checkpoint
 from holmes_lightning.runtime.checkpoint import CheckpointError
 from holmes_lightning.runtime.contract import ContractError
-from holmes_lightning.runtime.diloco import Site, SiteError, SiteLaunch
+from holmes_lightning.runtime.diloco import Site, SiteError, SiteLaunch, runs_per_site
 from holmes_lightning.runtime.environment import default_environment
 from holmes_lightning.runtime.placement import launch_mismatch
 from holmes_lightning.runtime.preemption import HolmesCheckpoint
@@ -102,7 +102,7 @@ def main(cfg: DictConfig) -> None:
         sys.exit(start_job(config, topology, run_dir, survivors_plan(config, strategy, profile), sites, pinned))
     warn_once_about_timeout(config, topology, timeout_s)
     try:
-        train(config, arguments, machines, strategy, run_dir, profile)
+        train(config, arguments, machines, strategy, run_dir, profile, None if site is None else site.label)
     except KNOWN_ERRORS as err:  # found once processes joined: raised alike on every rank that sees it
         exit_with_error(err, f"rank {default_environment().global_rank()}: ")
 
@@ -130,8 +130,7 @@ def is_rank_process() -> bool:
 
 def launched_site(config: TrainConfig) -> Site | None:
     """In a rank of a DiLoCo job (the launcher started its site as a job of its own): that site."""
-    mode = config.strategy.cross_site
-    if not is_rank_process() or not (mode is CrossSite.diloco or (mode is CrossSite.auto and SITE_ENV in os.environ)):
+    if not is_rank_process() or not runs_per_site(config.strategy.cross_site):
         return None
     return Site.launched(launched_topology() or config.cluster, SiteLaunch.from_env(), config.data.global_batch)
 
@@ -211,7 +210,7 @@ def make_strategy(config: TrainConfig, topology: Topology, timeout_s: float) -> 
         replan=settings.replan,
         timeout=timeout_s,
         min_nodes=config.elastic.min_nodes,
-        cross_site=str(settings.cross_site),
+        cross_site=settings.cross_site,
         diloco=config.diloco.settings(),
     )
 
@@ -233,9 +232,11 @@ def train(
     strategy: HolmesStrategy,
     run_dir: str,
     profile: ModelProfile | None,
+    site: str | None = None,
 ) -> None:
     """This rank's part of the job: the configured model and data under HolmesStrategy, then a one-line summary on
-    rank 0. `arguments`: those of a model or data `_target_`; `profile`: the model's, if known before the ranks."""
+    rank 0. `arguments`: those of a model or data `_target_`; `profile`: the model's, if known before the ranks;
+    `site`: under DiLoCo, this rank's site."""
     L.seed_everything(config.seed, workers=True)
     opt = config.trainer
     model = build_model(config, arguments["model"])
@@ -259,7 +260,7 @@ def train(
         log_every_n_steps=opt.log_every_n_steps,
         val_check_interval=opt.val_check_interval,
         limit_val_batches=opt.limit_val_batches,
-        logger=make_logger(config, run_dir, site.label if (site := launched_site(config)) else None),
+        logger=make_logger(config, run_dir, site),
         callbacks=[
             throughput_monitor(
                 model,

@@ -11,7 +11,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.errors import ConfigCompositionException, OverrideParseException
 
 from holmes_lightning.planner import MachineCosts, PlanOptions, SettingError
-from holmes_lightning.planner.sites import DiLoCoSettings
+from holmes_lightning.planner.sites import CrossSite, DiLoCoSettings
 from holmes_lightning.topology import ConfigEnum
 from holmes_lightning.topology.spec import ClusterSpec
 
@@ -137,15 +137,6 @@ def _editable(frozen: type) -> type:
 
 
 MachineCostsConfig = _editable(MachineCosts)  # `strategy.costs.latency_s=...`: one schema, the MachineCosts fields
-
-
-class CrossSite(ConfigEnum):
-    """Across clusters on different sites: one pipeline, DiLoCo (a replica per site), or the faster by prediction
-    (DiLoCo only with `diloco.allowed=true`)."""
-
-    pipeline = "pipeline"
-    diloco = "diloco"
-    auto = "auto"
 
 
 @dataclass

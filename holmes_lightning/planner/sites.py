@@ -8,8 +8,8 @@ with a share of the global batch in proportion to its compute (`site_batches`), 
 same samples per inner step as the pipeline. The sites run H inner steps in lockstep (the slowest site sets the pace),
 then all-reduce their pseudo-gradients (the change of every parameter, `outer_bits` per value) in a ring over the
 sites, as fast as its slowest link (a pair of sites talks over the fastest link between their clusters). Streaming
-(fragments sent while the next inner steps run) hides the all-reduce behind those H steps; without it, it adds to
-them.
+(the parameters in fragments, each all-reduced while the next `overlap_steps` inner steps run) hides what those
+steps last; without it, the all-reduce adds to the H steps.
 """
 
 from __future__ import annotations
@@ -22,10 +22,19 @@ from holmes_lightning.planner.cost import MachineCosts
 from holmes_lightning.planner.options import BatchSettings, PartitionRule, PlanOptions, check_fields
 from holmes_lightning.planner.plan_types import Plan
 from holmes_lightning.planner.profile import ModelProfile
-from holmes_lightning.topology import Topology
+from holmes_lightning.topology import ConfigEnum, Topology
 from holmes_lightning.topology.topology import Link
 
 Grouping = tuple[tuple[str, ...], ...]  # sites, each its clusters' names in config order
+
+
+class CrossSite(ConfigEnum):
+    """Across clusters on different sites: one pipeline, DiLoCo (a replica per site), or the faster by prediction
+    (DiLoCo only with `diloco.allowed=true`)."""
+
+    pipeline = "pipeline"
+    diloco = "diloco"
+    auto = "auto"
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from torch.optim import SGD
 
 from holmes_lightning.launch.processes import OUTER_STORE_ENV, SITE_ENV, SITES_ENV
 from holmes_lightning.planner.sites import (
+    CrossSite,
     DiLoCoSettings,
     Grouping,
     find_grouping,
@@ -42,6 +43,12 @@ from holmes_lightning.topology import Topology
 
 class SiteError(ValueError):
     """A cross-site job that cannot run as launched or configured; the message says what to change."""
+
+
+def runs_per_site(mode: CrossSite, env: Mapping[str, str] = os.environ) -> bool:
+    """Whether a rank under `cross_site=mode` trains as one site of a DiLoCo job: `diloco`, or `auto` where the
+    launcher started the sites so."""
+    return mode is CrossSite.diloco or (mode is CrossSite.auto and SITE_ENV in env)
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,6 @@ from typing_extensions import override
 
 import holmes_lightning.runtime.checkpoint as checkpoint
 import holmes_lightning.runtime.resume as resume
-from holmes_lightning.launch.processes import SITE_ENV
 from holmes_lightning.measure import calibration
 from holmes_lightning.measure.calibration import Calibration
 from holmes_lightning.planner import (
@@ -60,7 +59,8 @@ from holmes_lightning.planner import (
     SettingError,
     Sharding,
 )
-from holmes_lightning.planner.sites import DiLoCoSettings, diloco_options, grouping_label
+from holmes_lightning.planner.options import choices
+from holmes_lightning.planner.sites import CrossSite, DiLoCoSettings, diloco_options, grouping_label
 from holmes_lightning.runtime.assembly import assemble
 from holmes_lightning.runtime.contract import (
     check_automatic_optimization,
@@ -70,7 +70,7 @@ from holmes_lightning.runtime.contract import (
     prediction_inputs,
     split_batch,
 )
-from holmes_lightning.runtime.diloco import DiLoCo, Site, SiteLaunch
+from holmes_lightning.runtime.diloco import DiLoCo, Site, SiteLaunch, runs_per_site
 from holmes_lightning.runtime.environment import NICGroupingEnvironment, cluster_source
 from holmes_lightning.runtime.export import save_pretrained
 from holmes_lightning.runtime.groups import PlanMesh, build_mesh, nccl_world
@@ -83,7 +83,6 @@ from holmes_lightning.runtime.sharding import clip_grad_norm_
 from holmes_lightning.runtime.ties import Tie, across_stages, find_ties
 from holmes_lightning.topology import ClusterSpec, Topology
 
-CROSS_SITE = ("pipeline", "diloco", "auto")
 NOT_YET = "is made in setup, after the DataModule's setup and configure_model: read it from train_dataloader() or later"
 
 
@@ -167,7 +166,7 @@ class HolmesStrategy(ModelParallelStrategy):
         fsdp_on_one_rank: bool = False,
         replan: bool = False,
         min_nodes: int | None = None,
-        cross_site: str = "pipeline",
+        cross_site: CrossSite | str = CrossSite.pipeline,
         diloco: DiLoCoSettings | None = None,
     ) -> None:
         given = {"schedule": schedule, "partition": partition, "pp": pp, "dp": dp, "sharding": sharding}
@@ -177,8 +176,10 @@ class HolmesStrategy(ModelParallelStrategy):
             self.batch = BatchSettings.requested(global_batch, microbatches)
         except SettingError as error:
             raise error.as_written_in(type(self).__name__) from None
-        if cross_site not in CROSS_SITE:
-            raise SettingError(type(self).__name__, "cross_site", cross_site, f"use one of {', '.join(CROSS_SITE)}")
+        try:
+            self.cross_site = CrossSite(cross_site)
+        except ValueError:
+            raise SettingError(type(self).__name__, "cross_site", cross_site, choices(CrossSite)) from None
         if calibrate:
             calibration.layer_seconds()  # a bad $HOLMES_CALIBRATION_SECONDS fails here, before any rank starts
         # Lightning 2.6's CombinedLoader flattens every batch with `lightning/pytorch/utilities/_pytree.py`
@@ -213,7 +214,6 @@ class HolmesStrategy(ModelParallelStrategy):
         self._ties: list[Tie] = []
         self._resumed_rng: dict[str, Any] | None = None
         self._device: torch.device | None = None
-        self.cross_site = cross_site
         self.diloco_settings = diloco or DiLoCoSettings()
         self.site: Site | None = None  # under DiLoCo: this rank's site, once the processes are configured
         self.diloco: DiLoCo | None = None
@@ -286,7 +286,7 @@ class HolmesStrategy(ModelParallelStrategy):
         launch of the wrong size here, before Lightning's launcher starts any process."""
         if not isinstance(self.cluster_environment, NICGroupingEnvironment):
             source = cluster_source(self.cluster, nodes=self.num_nodes, processes_per_node=self.num_processes)
-            if self.cross_site == "diloco" or (self.cross_site == "auto" and SITE_ENV in os.environ):
+            if runs_per_site(self.cross_site):
                 global_batch = None if self.batch is None else self.batch.global_batch
                 self.site = Site.launched(source, SiteLaunch.from_env(), global_batch)
                 self.options = diloco_options(self.options)
