@@ -459,3 +459,13 @@ def test_schedule_auto_takes_the_best_schedule_and_lists_each(cluster: str) -> N
     assert replace(chosen, schedule="1F1B").schedule is Schedule["1F1B"]  # a plan written by hand names it as text
     with pytest.raises(ValueError, match="a Plan runs one schedule, not schedule='auto'"):
         replace(chosen, schedule="auto")
+
+
+@pytest.mark.parametrize("schedule", ["Interleaved1F1B", "ZBVZeroBubble"])
+def test_layers_given_per_stage_are_split_into_each_stages_chunks(schedule):
+    topology, profile = Topology.from_config("two_cluster_mixed"), ModelProfile.from_gpt(ModelConfig(n_layers=6))
+    plan = best_plan(
+        topology, profile, BatchSettings(16), options=PlanOptions(schedule=schedule, pp=2, partition=[4, 4])
+    )
+    assert [sum(stop - start for start, stop in stage.chunks) for stage in plan.stages] == [4, 4]
+    assert all(len(stage.chunks) == 2 for stage in plan.stages)

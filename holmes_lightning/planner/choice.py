@@ -284,7 +284,7 @@ def _fixed_counts(options: PlanOptions, candidate: Candidate) -> tuple[int, ...]
     if options.partition is PartitionRule.uniform:
         return uniform_partition(num_layers, pp * chunks)
     counts = options.partition
-    return counts if len(counts) == pp * chunks else split_chunks(counts, chunks)
+    return counts if len(counts) == pp * chunks else split_chunks(counts, candidate.located)
 
 
 def _as_plan(
