@@ -30,7 +30,14 @@ from holmes_lightning.cli.sites import (
     site_dir,
     site_resume,
 )
-from holmes_lightning.launch.processes import OUTER_STORE_ENV, SITE_ENV, SITES_ENV, site_rank_envs
+from holmes_lightning.launch.processes import (
+    OUTER_STORE_ENV,
+    OUTER_SUPERVISED_ENV,
+    SITE_ENV,
+    SITES_ENV,
+    launch_job,
+    site_rank_envs,
+)
 from holmes_lightning.planner import BatchSettings, MachineCosts, ModelProfile, PlanOptions, best_plan
 from holmes_lightning.planner.sites import DiLoCoSettings, predict_diloco, site_batches
 from holmes_lightning.runtime.diloco import DiLoCo, Site, SiteError, SiteLaunch, _fragments
@@ -107,7 +114,7 @@ def test_a_streamed_fragment_lands_after_its_overlap_steps_keeping_the_progress_
                 if step == 3:
                     landed = [p.detach().clone() for p in net.parameters()]
             diloco.flush()
-        return seen, diloco.outer_steps, [p.detach().clone() for p in net.parameters()], landed
+        return seen, sum(diloco.applied), [p.detach().clone() for p in net.parameters()], landed
 
     (seen, outer_steps, first, landed_a), (_, _, second, landed_b) = as_sites(2, work)
     # fragment 0 starts at steps 2 and 6, fragment 1 at 4 and 8; each is applied one inner step later
@@ -192,7 +199,7 @@ def test_a_rank_outside_any_site_is_told_what_to_set(env, message):
 
 def test_the_launcher_numbers_each_sites_ranks_from_zero_and_points_all_at_one_store():
     topology = Topology.from_config("multi_site")
-    envs = site_rank_envs(topology, (("A", "B"), ("C",)), lambda node: f"10.0.{node}.1")
+    envs = site_rank_envs(topology, (("A", "B"), ("C",)), lambda node: f"10.0.{node}.1", "10.0.9.9:1234")
     by_site: dict[str, list[dict[str, str]]] = {}
     for env in envs:
         by_site.setdefault(env[SITE_ENV], []).append(env)
@@ -201,8 +208,40 @@ def test_the_launcher_numbers_each_sites_ranks_from_zero_and_points_all_at_one_s
         assert [int(env["RANK"]) for env in ranks] == list(range(len(ranks)))
         assert {env["WORLD_SIZE"] for env in ranks} == {str(len(ranks))}
         assert len({env["MASTER_ADDR"] + env["MASTER_PORT"] for env in ranks}) == 1
-    assert len({env[OUTER_STORE_ENV] for env in envs}) == 1 and envs[0][OUTER_STORE_ENV].startswith("10.0.0.1:")
+    assert {(env[OUTER_STORE_ENV], env[OUTER_SUPERVISED_ENV]) for env in envs} == {("10.0.9.9:1234", "1")}
     assert by_site["A+B"][0]["MASTER_PORT"] != by_site["C"][0]["MASTER_PORT"]
+
+
+@pytest.mark.slow
+def test_a_lost_site_leaves_the_others_training_their_outer_steps_averaged_over_the_sites_left(tmp_path, capfd):
+    sys.path.insert(0, str(ROOT / "tests"))
+    from lost_site_script import LOSE_AT, STEPS, moved
+
+    topology = Topology.from_config(
+        {
+            "name": "three_sites",
+            "devices_per_node": 1,
+            "inter_cluster": {"gbps": 1},
+            "clusters": [{"name": name, "nodes": 1, "nic": {"kind": "ethernet", "gbps": 100}} for name in "ABC"],
+        }
+    )
+    command = [sys.executable, str(ROOT / "tests" / "lost_site_script.py"), str(tmp_path)]
+    ended = launch_job(command, topology, sites=[["A"], ["B"], ["C"]], may_lose=1)
+    assert ended.code == 0
+    assert "site B stops, the other sites go on without it" in capfd.readouterr().err
+    saved = {site: torch.load(tmp_path / f"{site}.pt") for site in "AC"}
+    assert not (tmp_path / "B.pt").exists() and saved["A"]["sites"] == saved["C"]["sites"] == 2
+    torch.manual_seed(0)
+    outer = [param.detach().clone() for param in nn.Linear(3, 2).parameters()]
+    optimizer = torch.optim.SGD(outer, lr=0.7, momentum=0.9, nesterov=True)
+    for step in range(1, STEPS + 1):  # the mean change of every site until B is lost, then of A and C
+        left = (0, 1, 2) if step < LOSE_AT else (0, 2)
+        for param in outer:
+            param.grad = torch.full_like(param, sum(moved(site) for site in left) / len(left))
+        optimizer.step()
+        for site in "AC":
+            for got, expected in zip(saved[site]["after"][step - 1], outer, strict=True):
+                torch.testing.assert_close(got, expected)
 
 
 def config_for(cluster: str, mode: CrossSite, **diloco: Any) -> TrainConfig:

@@ -261,8 +261,9 @@ class ElasticConfig:
     """Restarts after a lost node on this machine's emulated nodes: a rank killed by a signal counts its node as
     lost; the job's ranks stop and start again on the nodes left, re-planned, from the last checkpoint, at most
     `max_restarts` times (0: a failure ends the job, as before) and never on fewer than `min_nodes` nodes (null: as
-    few as still hold the model; the planner refuses fewer). On real clusters torchrun's elastic agent restarts
-    (README)."""
+    few as still hold the model; the planner refuses fewer). Under DiLoCo (`strategy.cross_site=diloco`) a lost node
+    stops its site only and the other sites train on without it, for up to `max_restarts` sites. On real clusters
+    torchrun's elastic agent restarts (README)."""
 
     max_restarts: int = 0
     min_nodes: int | None = None

@@ -36,7 +36,8 @@ USAGE = (
     "(RANK, LOCAL_RANK, GROUP_RANK, WORLD_SIZE, MASTER_ADDR, ...). lab=emulate runs each node in the lab's emulated\n"
     "network (needs root; otherwise plain loopback, with a notice). elastic.max_restarts=N: a rank killed by a\n"
     "signal counts its node as lost and COMMAND runs again on the nodes left (resuming its checkpoint). sites=...:\n"
-    "each site a job of its own, as HolmesStrategy(cross_site='diloco') runs (auto: the fewest sites). Example:\n"
+    "each site a job of its own, as HolmesStrategy(cross_site='diloco') runs (auto: the fewest sites); with\n"
+    "elastic.max_restarts=N a lost node then stops its site and the other sites go on without it. Example:\n"
     "  holmes-launch cluster=two_cluster_mixed lab=emulate -- python recipes/train_my_model.py"
 )
 
@@ -70,9 +71,12 @@ def start_ranks(
     `command`; it must resume from the last checkpoint), up to `elastic.max_restarts` times and on
     `elastic.min_nodes` nodes at least. `training_nodes(survivors)`: those of them that train (default: all; raises
     a ValueError that ends the job when none can). `sites`: each site (its clusters' names) a job of its own, as
-    cross-site DiLoCo runs (`launch_job`).
+    cross-site DiLoCo runs (`launch_job`); a lost node then stops its site only and the others go on without it,
+    for up to `elastic.max_restarts` sites (one site is always left).
     """
     elastic = elastic or ElasticConfig()
+    if sites is not None:  # DiLoCo: a lost node takes its site out, the others go on (never restarted)
+        return _run_once(command, topology, lab, 0, sites, may_lose=elastic.max_restarts).code
     least = elastic.min_nodes or 1
     running = command
     for restart in range(elastic.max_restarts):
@@ -112,14 +116,16 @@ def _run_once(
     lab: LabConfig | None,
     restart: int = 0,
     sites: Sequence[Sequence[str]] | None = None,
+    may_lose: int = 0,
 ) -> JobEnd:
-    """One start of the job, its ranks told how many restarts came before (`job.restart_count`)."""
+    """One start of the job, its ranks told how many restarts came before (`job.restart_count`); `may_lose`: sites
+    the job may lose (`launch_job`)."""
     previous = os.environ.get(RESTART_ENV)
     os.environ[RESTART_ENV] = str(restart)  # the ranks inherit this process's environment
     try:
         if lab is not None and lab.mode is LabMode.emulate:
-            return run_in_lab(topology, command, bandwidth_scale=lab.bandwidth_scale, sites=sites)
-        return launch_job(command, topology, sites=sites)
+            return run_in_lab(topology, command, bandwidth_scale=lab.bandwidth_scale, sites=sites, may_lose=may_lose)
+        return launch_job(command, topology, sites=sites, may_lose=may_lose)
     finally:
         if previous is None:
             del os.environ[RESTART_ENV]

@@ -46,11 +46,6 @@ def choose_sites(
     mode = config.strategy.cross_site
     if mode is CrossSite.pipeline:
         return None
-    if config.elastic.max_restarts > 0 and mode is CrossSite.diloco:
-        raise ConfigError(
-            f"elastic.max_restarts={config.elastic.max_restarts}: restarts after a lost node are not supported with "
-            f"strategy.cross_site=diloco yet; use elastic.max_restarts=0 and resume=auto"
-        )
     try:
         grouping = find_grouping(topology, config.diloco.sites)
     except PlanError as error:
@@ -60,8 +55,6 @@ def choose_sites(
     if mode is CrossSite.diloco:
         return grouping
     faster, why = _auto_choice(topology, grouping, pipeline, profile, batch, config, options, costs)
-    if faster and config.elastic.max_restarts > 0:
-        faster, why = False, f"one pipeline, for elastic.max_restarts={config.elastic.max_restarts} (DiLoCo: {why})"
     print(f"train.py: strategy.cross_site=auto: {why}", flush=True)
     return grouping if faster else None
 

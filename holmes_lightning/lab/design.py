@@ -10,6 +10,7 @@ from holmes_lightning.topology import LinkClass, LinkKind, LinkScope, Topology, 
 
 ETHERNET_NET = "10.213.1"  # both /24s exist only inside the lab's namespaces
 FABRIC_NET = "10.213.2"
+STORE_ADDRESS = f"{ETHERNET_NET}.254"  # the bridge's own: where a DiLoCo job's sites meet, on no node that can be lost
 MAX_NODES = 250
 MAX_LAB_MBIT = 2000.0  # above this the shared CPU, not tc, limits veth traffic and shaping stops being exact
 NAMESPACE_PATTERN = re.compile(r"^holmes-(\d+)-(br|n\d+)$")

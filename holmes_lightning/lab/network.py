@@ -1,16 +1,16 @@
 """Build and remove the lab's network with `ip` and `tc`; everything lives in namespaces the lab created.
 
-Per node: a namespace with `lo` and `eth0`, a veth whose other end is a port of the bridge `br0` in the bridge
-namespace. `eth0` holds the node's Ethernet address (10.213.1.x/24) and, on RDMA nodes, its fabric address
-(10.213.2.x/24): the kernel picks the source address from the destination's subnet, so a connection to a fabric
-address runs fabric-to-fabric in both directions. HTB on `eth0`'s egress shapes by destination address; each class
-queues at most `QUEUE_FRAMES` frames or `QUEUE_S` at its rate, like a switch port's buffer (veth's default queue of
-1000 jumbo frames holds over a second at lab rates: a collective's messages then wait behind its own data, and
-all-reduces varied by +-10%; with 8 frames, a link busy both ways dropped 10% of its packets, where RDMA fabrics are
-lossless and a lost frame costs TCP a retransmission timeout). TCP packets under `CONTROL_BYTES` (ACKs, gloo's
-rendezvous notices) leave by an unshaped class instead: behind a data class's queue, the ACKs of the opposite
-direction's flow waited tens of ms at lab rates, where a real link's wait is microseconds, and a link busy both ways
-(a pipeline's activations one way, gradients the other) ran at half its rate each way.
+Per node: a namespace with `lo` and `eth0`, a veth whose other end is a port of the bridge `br0` in the bridge namespace
+(`br0` holds `STORE_ADDRESS`, where a DiLoCo job's store listens). `eth0` holds the node's Ethernet address
+(10.213.1.x/24) and, on RDMA nodes, its fabric address (10.213.2.x/24): the kernel picks the source address from the
+destination's subnet, so a connection to a fabric address runs fabric-to-fabric in both directions. HTB on `eth0`'s
+egress shapes by destination address; each class queues at most `QUEUE_FRAMES` frames or `QUEUE_S` at its rate, like a
+switch port's buffer (veth's default queue of 1000 jumbo frames holds over a second at lab rates: a collective's
+messages then wait behind its own data, and all-reduces varied by +-10%; with 8 frames, a link busy both ways dropped
+10% of its packets, where RDMA fabrics are lossless and a lost frame costs TCP a retransmission timeout). TCP packets
+under `CONTROL_BYTES` (ACKs, gloo's rendezvous notices) leave by an unshaped class instead: behind a data class's queue,
+the ACKs of the opposite direction's flow waited tens of ms at lab rates, where a real link's wait is microseconds, and
+a link busy both ways (a pipeline's activations one way, gradients the other) ran at half its rate each way.
 Nothing is ever created in, or changed of, the host's own network namespace.
 """
 
@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from holmes_lightning.lab.design import FABRIC_NET, EgressClass, LabNetwork, LabNode
+from holmes_lightning.lab.design import FABRIC_NET, STORE_ADDRESS, EgressClass, LabNetwork, LabNode
 
 MTU = 9000  # jumbo frames, as RDMA fabrics and data-centre Ethernet use: headers cost 0.7%, not 4%
 QUEUE_FRAMES, QUEUE_S = 48, 0.010
@@ -131,6 +131,7 @@ def build_network(network: LabNetwork) -> None:
     """
     _add_namespace(network.bridge)
     bridge = ["link set lo up", "link add br0 type bridge forward_delay 0 stp_state 0", "link set br0 up"]
+    bridge.append(f"address add {STORE_ADDRESS}/24 dev br0")
     for node in network.nodes:
         _add_namespace(node.namespace)
         port = f"n{node.index}"

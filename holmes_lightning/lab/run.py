@@ -8,7 +8,14 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from holmes_lightning.lab.design import LabNetwork, describe, design_network, emulated_topology, format_scale
+from holmes_lightning.lab.design import (
+    STORE_ADDRESS,
+    LabNetwork,
+    describe,
+    design_network,
+    emulated_topology,
+    format_scale,
+)
 from holmes_lightning.lab.network import DEVICE, LabUnavailable, build_network, remove_namespaces, unavailable_reason
 from holmes_lightning.lab.scale import default_bandwidth_scale
 from holmes_lightning.launch.processes import JobEnd, launch_job
@@ -58,11 +65,13 @@ def run_in_lab(
     command: Sequence[str],
     bandwidth_scale: float | None = None,
     sites: Sequence[Sequence[str]] | None = None,
+    may_lose: int = 0,
 ) -> JobEnd:
     """Run `command` once per rank, each node's ranks inside that node's namespace; returns how the job ended.
 
     `bandwidth_scale` maps real link speeds to lab speeds (None: chosen from this CPU, see `lab.scale`). `sites`:
-    each site a job of its own (`launch_job`). Without root or network namespaces the job runs on plain loopback
+    each site a job of its own (`launch_job`; their store in the bridge's namespace, at `STORE_ADDRESS`), of which
+    `may_lose` may be lost while the others go on. Without root or network namespaces the job runs on plain loopback
     instead, after a one-line notice.
     """
     reason = unavailable_reason()
@@ -87,8 +96,10 @@ def run_in_lab(
                     node_env=lambda node: node_env(network, node),
                     sites=sites,
                     node_address=lambda node: network.nodes[node].ethernet,
+                    store_at=(STORE_ADDRESS, ["ip", "netns", "exec", network.bridge]),
+                    may_lose=may_lose,
                 )
         except LabUnavailable as err:
             reason = str(err)
     print(f"holmes lab: unavailable ({reason}); running on plain loopback, links not shaped", file=sys.stderr)
-    return launch_job(command, topology, sites=sites)
+    return launch_job(command, topology, sites=sites, may_lose=may_lose)

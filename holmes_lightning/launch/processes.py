@@ -14,10 +14,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from holmes_lightning.launch.outer_store import OuterStore
 from holmes_lightning.topology import Topology
 
 LAUNCHED_ENV = "HOLMES_LAUNCHED"  # every rank of the job runs on this host (emulated nodes)
@@ -25,6 +26,8 @@ TOPOLOGY_ENV = "HOLMES_TOPOLOGY"  # the launched cluster, as `Topology.to_dict()
 SITE_ENV = "HOLMES_SITE"  # cross-site DiLoCo: this rank's site, its clusters joined by "+" (its own job and world)
 SITES_ENV = "HOLMES_SITES"  # cross-site DiLoCo: every site of the job, `A+B|C`
 OUTER_STORE_ENV = "HOLMES_OUTER_STORE"  # HOST:PORT where the sites' ranks meet (the first site's rank 0 hosts it)
+# "1": a process apart from the sites hosts that store and names the sites lost there (`launch.outer_store`)
+OUTER_SUPERVISED_ENV = "HOLMES_OUTER_SUPERVISED"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -33,16 +36,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def kill_rank(rank: int, marker: str) -> bool:
-    """SIGKILL the process that runs `rank` (its environment's RANK) of the job whose command line holds `marker`
-    (e.g. its output folder), as a lost machine would end it; False when no such process runs."""
+def kill_rank(rank: int, marker: str, site: str | None = None) -> bool:
+    """SIGKILL the process that runs `rank` (its environment's RANK; under DiLoCo, of `site`) of the job whose command
+    line holds `marker` (e.g. its output folder), as a lost machine would end it; False when no such process runs."""
+    wanted = [f"RANK={rank}".encode()] + ([] if site is None else [f"{SITE_ENV}={site}".encode()])
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             command = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if f"RANK={rank}".encode() in environ and marker.encode() in command:
+        if all(variable in environ for variable in wanted) and marker.encode() in command:
             os.kill(int(pid), signal.SIGKILL)
             return True
     return False
@@ -105,39 +109,51 @@ def launch_job(
     grace_s: float = 15.0,
     sites: Sequence[Sequence[str]] | None = None,
     node_address: Callable[[int], str] | None = None,
+    store_at: tuple[str, Sequence[str]] | None = None,
+    may_lose: int = 0,
 ) -> JobEnd:
     """Run `command` once per rank and wait; the code is 0, or the exit code of the first rank that failed.
 
     `sites` (cross-site DiLoCo, each site its clusters' names): every site is a job of its own, its ranks numbered
     from 0 and meeting at its first node (`node_address(node)`, default `master_addr`), told their site and where
-    the sites meet (`SITE_ENV`, `OUTER_STORE_ENV`: the first site's first node); the whole cluster stays in
-    `TOPOLOGY_ENV`. One supervisor still stops every site when a rank fails."""
+    the sites meet (`SITE_ENV`, `OUTER_STORE_ENV`: an `OuterStore` process at `store_at`, its host and the prefix
+    that runs it there; default `master_addr`, this machine); the whole cluster stays in `TOPOLOGY_ENV`. A rank
+    killed by a signal (a lost machine) stops its site only, while fewer than `may_lose` sites were lost and one is
+    left: the others go on without it (told through the store); otherwise every site stops."""
+    store = None
     if sites is None:
         port = master_port or free_port()
         envs = [rank_env(topology, rank, master_addr, port) for rank in range(topology.world_size)]
     else:
-        envs = site_rank_envs(topology, sites, node_address or (lambda _node: master_addr))
+        host, prefix = store_at or (master_addr, ())
+        store = OuterStore(host, free_port(), prefix)
+        envs = site_rank_envs(topology, sites, node_address or (lambda _node: master_addr), store.address)
     procs: list[RankProcess] = []
-    for rank, rank_vars in enumerate(envs):
-        node = topology.ranks[rank].node
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **rank_vars}
-        env.update(node_env(node) if node_env else {})
-        argv = [*(node_prefix(node) if node_prefix else []), *command]
-        procs.append(RankProcess(rank, node, subprocess.Popen(argv, env=env)))
-    return _supervise(procs, topology, grace_s)
+    try:
+        for rank, rank_vars in enumerate(envs):
+            node = topology.ranks[rank].node
+            env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **rank_vars}
+            env.update(node_env(node) if node_env else {})
+            argv = [*(node_prefix(node) if node_prefix else []), *command]
+            procs.append(RankProcess(rank, node, subprocess.Popen(argv, env=env)))
+        losses = None if sites is None or store is None else _SiteLosses(sites, topology, store, may_lose)
+        return _supervise(procs, topology, grace_s, losses)
+    finally:
+        _stop(procs, grace_s)
+        if store is not None:
+            store.close()
 
 
 def site_rank_envs(
-    topology: Topology, sites: Sequence[Sequence[str]], address: Callable[[int], str]
+    topology: Topology, sites: Sequence[Sequence[str]], address: Callable[[int], str], store: str
 ) -> list[dict[str, str]]:
-    """Each rank's variables (by rank of `topology`) when every site runs as a job of its own."""
+    """Each rank's variables (by rank of `topology`) when every site runs as a job of its own, meeting at `store`
+    (HOST:PORT, hosted apart from the sites)."""
     envs: dict[int, dict[str, str]] = {}
-    store = None
     for site in sites:
-        nodes = [node for node in topology.nodes if node.cluster in site]
+        nodes = site_nodes(topology, site)
         own = topology.keeping([node.name for node in nodes])
         master, port = address(nodes[0].index), free_port()
-        store = store or f"{master}:{free_port()}"
         ranks = [rank for node in nodes for rank in node.ranks]
         for local, rank in enumerate(ranks):
             envs[rank] = rank_env(own, local, master, port)
@@ -147,12 +163,46 @@ def site_rank_envs(
                     SITE_ENV: "+".join(site),
                     SITES_ENV: "|".join("+".join(s) for s in sites),
                     OUTER_STORE_ENV: store,
+                    OUTER_SUPERVISED_ENV: "1",
                 }
             )
     return [envs[rank] for rank in range(topology.world_size)]
 
 
-def _supervise(procs: list[RankProcess], topology: Topology, grace_s: float) -> JobEnd:
+def site_nodes(topology: Topology, site: Sequence[str]) -> list:
+    """The nodes of the site's clusters, in the topology's order."""
+    return [node for node in topology.nodes if node.cluster in site]
+
+
+@dataclass
+class _SiteLosses:
+    """Which sites a job may still lose (`may_lose` in all, one left at least) and which it lost."""
+
+    sites: Sequence[Sequence[str]]
+    topology: Topology
+    store: OuterStore
+    may_lose: int
+    lost: list[int] = field(default_factory=list)
+
+    def site_of(self, node: int) -> int:
+        cluster = self.topology.nodes[node].cluster
+        return next(i for i, site in enumerate(self.sites) if cluster in site)
+
+    def can_lose(self, node: int) -> bool:
+        return len(self.lost) < min(self.may_lose, len(self.sites) - 1) and self.site_of(node) not in self.lost
+
+    def lose(self, node: int) -> str:
+        """Count the site of `node` lost and tell the others; returns its label."""
+        site = self.site_of(node)
+        self.lost.append(site)
+        label = "+".join(self.sites[site])
+        self.store.lose(label)
+        return label
+
+
+def _supervise(
+    procs: list[RankProcess], topology: Topology, grace_s: float, losses: _SiteLosses | None = None
+) -> JobEnd:
     stopping: list[int] = []
 
     def forward(signum: int, _frame: object) -> None:
@@ -164,12 +214,26 @@ def _supervise(procs: list[RankProcess], topology: Topology, grace_s: float) -> 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         while True:
+            if losses is not None:  # a lost site's ranks no longer count
+                procs = [p for p in procs if losses.site_of(p.node) not in losses.lost]
             codes = [proc.popen.poll() for proc in procs]
             failures = [p for p, c in zip(procs, codes, strict=True) if c not in (None, 0)]
             # a rank killed by a signal is the likely cause when its peers then fail too (one poll sees them all)
             failed = min(failures, key=lambda p: p.popen.returncode > 0) if failures else None
+            node = None if failed is None else topology.nodes[failed.node].name
+            lost_machine = failed is not None and failed.popen.returncode < 0 and not stopping
+            if lost_machine and losses is not None and losses.can_lose(failed.node):
+                site = losses.site_of(failed.node)
+                label = losses.lose(failed.node)  # the others learn it first, then its ranks stop
+                print(
+                    f"holmes: rank {failed.rank} on node {node} {_describe_exit(failed.popen.returncode)}; site "
+                    f"{label} stops, the other sites go on without it",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                _stop([p for p in procs if losses.site_of(p.node) == site], grace_s)
+                continue
             if failed is not None and not stopping:
-                node = topology.nodes[failed.node].name
                 print(
                     f"holmes: rank {failed.rank} on node {node} {_describe_exit(failed.popen.returncode)}; "
                     f"stopping the other ranks",

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -28,7 +29,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import SGD
 
-from holmes_lightning.launch.processes import OUTER_STORE_ENV, SITE_ENV, SITES_ENV
+from holmes_lightning.launch.outer_store import LOST_SITES_KEY, lost_sites
+from holmes_lightning.launch.processes import OUTER_STORE_ENV, OUTER_SUPERVISED_ENV, SITE_ENV, SITES_ENV
 from holmes_lightning.planner.sites import (
     CrossSite,
     DiLoCoSettings,
@@ -54,12 +56,14 @@ def runs_per_site(mode: CrossSite, env: Mapping[str, str] = os.environ) -> bool:
 @dataclass(frozen=True)
 class SiteLaunch:
     """How the launcher started this rank's site: its clusters, the sites of the job (`A+B|C`; None: the fewest the
-    cluster's links cut it into) and the store every site's ranks meet at (hosted by the first site's rank 0)."""
+    cluster's links cut it into) and the store every site's ranks meet at: hosted by the first site's rank 0, or
+    `supervised`, by a process apart from the sites that names the sites lost there (`launch.outer_store`)."""
 
     clusters: tuple[str, ...]
     sites: str | None
     store_host: str
     store_port: int
+    supervised: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> SiteLaunch:
@@ -71,13 +75,14 @@ class SiteLaunch:
                 f"and {OUTER_STORE_ENV}=HOST:PORT (a free port on the first site's rank 0)"
             )
         host, port = store.rsplit(":", 1)
-        return cls(tuple(site.split("+")), env.get(SITES_ENV), host, int(port))
+        return cls(tuple(site.split("+")), env.get(SITES_ENV), host, int(port), env.get(OUTER_SUPERVISED_ENV) == "1")
 
 
 @dataclass
 class Site:
     """This rank's site under DiLoCo: the job's sites, which one this is, its machines, its share of the global batch
-    and, once connected, this site-local rank's group across the sites and the replicas of every site."""
+    and, once connected, this site-local rank's group across the sites (those not `lost`) and the replicas of every
+    site."""
 
     launch: SiteLaunch
     grouping: Grouping
@@ -87,6 +92,10 @@ class Site:
     group: dist.ProcessGroupGloo | None = None
     replicas: int = 0
     first_replica: int = 0
+    lost: list[str] = field(default_factory=list)
+    store: dist.Store | None = None
+    local_rank: int = 0
+    timeout: timedelta = timedelta(minutes=30)
 
     @classmethod
     def launched(cls, cluster: Any, launch: SiteLaunch, global_batch: int | None) -> Site:
@@ -109,38 +118,57 @@ class Site:
     def connect(self, local_rank: int, dp: int, timeout: timedelta) -> None:
         """Join this site-local rank's group across the sites and count every site's `dp` replicas: the data-parallel
         replicas of the whole job, and the first of this site's among them."""
-        self.group = outer_group(self.launch, self.index, len(self.grouping), local_rank, timeout)
+        self.local_rank, self.timeout = local_rank, timeout
+        self.store = outer_store(self.launch, self.index == 0 and local_rank == 0, timeout)
+        self.group = dist.ProcessGroupGloo(
+            dist.PrefixStore(f"holmes-outer/{local_rank}", self.store), self.index, len(self.grouping), timeout
+        )
         every = [torch.zeros(1, dtype=torch.long) for _ in self.grouping]
         self.group.allgather([every], [torch.tensor([dp])]).wait()
         self.replicas = sum(int(count) for count in every)
         self.first_replica = sum(int(count) for count in every[: self.index])
 
+    def regroup(self) -> dist.ProcessGroupGloo | None:
+        """After an outer collective failed: this rank's group across the sites left, once the store names a site lost
+        that was not before (None: not supervised, or none named within the timeout). Raises SiteError when this
+        rank's own site is among the lost."""
+        if not self.launch.supervised or self.store is None:
+            return None
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while (lost := lost_sites(self.store.get(LOST_SITES_KEY))) == self.lost:
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.1)
+        labels = ["+".join(site) for site in self.grouping]
+        if labels[self.index] in lost:
+            raise SiteError(f"site {self.label} was counted lost by the job's supervisor; its ranks stop")
+        self.lost = lost
+        members = [i for i, label in enumerate(labels) if label not in lost]
+        prefix = f"holmes-outer/{len(lost)}/{self.local_rank}"  # a group of its own per generation of losses
+        self.group = dist.ProcessGroupGloo(
+            dist.PrefixStore(prefix, self.store), members.index(self.index), len(members), self.timeout
+        )
+        return self.group
 
-def outer_group(
-    launch: SiteLaunch, site: int, sites: int, local_rank: int, timeout: timedelta
-) -> dist.ProcessGroupGloo:
-    """The gloo group of this site-local rank across the sites (rank = the site's index)."""
-    store = dist.TCPStore(
-        launch.store_host,
-        launch.store_port,
-        None,
-        site == 0 and local_rank == 0,
-        timeout,
-        wait_for_workers=False,
-    )
-    return dist.ProcessGroupGloo(dist.PrefixStore(f"holmes-outer/{local_rank}", store), site, sites, timeout)
+
+def outer_store(launch: SiteLaunch, first: bool, timeout: timedelta) -> dist.Store:
+    """The store the sites meet at; `first` (the first site's rank 0) hosts it unless a supervisor does."""
+    host = first and not launch.supervised
+    return dist.TCPStore(launch.store_host, launch.store_port, None, host, timeout, wait_for_workers=False)
 
 
 @dataclass
 class _Sync:
     """One fragment's all-reduce in flight: its pseudo-gradients summed over the sites (flat, once `work` is done),
-    the inner step it is applied after and this rank's own pseudo-gradients when inner steps run meanwhile."""
+    the inner step it is applied after, this rank's own pseudo-gradients (to send again if a site is lost) and
+    whether inner steps run meanwhile."""
 
     fragment: int
     summed: torch.Tensor
-    work: dist.Work
+    work: dist.Work | None
     due: int
-    sent: list[torch.Tensor]  # this rank's own pseudo-gradients, kept while inner steps overlap the all-reduce
+    sent: list[torch.Tensor]
+    overlapped: bool
 
 
 class DiLoCo:
@@ -148,7 +176,9 @@ class DiLoCo:
     holds them), synchronised with the same rank of every other site over `group`.
 
     `replicas`: the site's ranks that hold the same parameters as this one (its stage's DP group when the stage keeps
-    full replicas): each then sends its share of them over the WAN, and they gather the sums over their own links."""
+    full replicas): each then sends its share of them over the WAN, and they gather the sums over their own links.
+    `regroup`: after an outer collective fails, this rank's group across the sites left (None: none, the error
+    stands; `Site.regroup`); the syncs in flight then run again among them."""
 
     def __init__(
         self,
@@ -158,10 +188,12 @@ class DiLoCo:
         *,
         site_label: str,
         replicas: dist.ProcessGroup | None = None,
+        regroup: Callable[[], dist.ProcessGroupGloo | None] | None = None,
     ) -> None:
         pairs = list(named)
         self.names, self.params = [name for name, _ in pairs], [param for _, param in pairs]
-        self.group, self.settings, self.sites = group, settings, group.size()
+        self.group, self.settings, self.sites, self.regroup = group, settings, group.size(), regroup
+        self.site_label = site_label
         self.replicas = replicas if replicas is not None and dist.get_world_size(replicas) > 1 else None
         check_alike(self.names, self.params, group, site_label)
         self._broadcast_from_first_site()
@@ -172,7 +204,7 @@ class DiLoCo:
             self.optimizer.state[outer]["momentum_buffer"] = torch.zeros_like(outer)
         self.fragments = _fragments([p.numel() for p in self.params], settings.fragments)
         self.pending: list[_Sync] = []
-        self.outer_steps = 0
+        self.applied = [0] * len(self.fragments)  # outer steps taken per fragment
 
     def _broadcast_from_first_site(self) -> None:
         """Every site starts from the first site's parameters (a resume then loads its checkpoint's)."""
@@ -202,15 +234,55 @@ class DiLoCo:
             return
         with torch.no_grad():
             deltas = [(_local(self.outer[i]) - _local(self.params[i])).flatten() for i in indices]
-            flat = torch.cat(deltas).to(torch.bfloat16 if self.settings.outer_bits == 16 else torch.float32)
-            if self.replicas is not None:
-                flat = torch.nn.functional.pad(flat, (0, -flat.numel() % dist.get_world_size(self.replicas)))
-            work = self.group.allreduce([self._share(flat)])
         overlap = self.settings.overlap_steps if self.settings.streaming else 0
-        sent = [delta.clone() for delta in deltas] if overlap else []
-        self.pending.append(_Sync(fragment, flat, work, done + overlap, sent))
+        sync = _Sync(fragment, self._flat(deltas), None, done + overlap, deltas, overlap > 0)
+        self.pending.append(sync)
+        try:
+            sync.work = self.group.allreduce([self._share(sync.summed)])
+        except RuntimeError as error:  # a site's ranks are gone
+            self._recover(error)
         if overlap == 0:
-            self._apply(self.pending[-1])
+            self._apply(sync)
+
+    def _flat(self, deltas: list[torch.Tensor]) -> torch.Tensor:
+        """The pseudo-gradients as one buffer of `outer_bits` per value, padded to a row per replica."""
+        flat = torch.cat(deltas).to(torch.bfloat16 if self.settings.outer_bits == 16 else torch.float32)
+        if self.replicas is not None:
+            flat = torch.nn.functional.pad(flat, (0, -flat.numel() % dist.get_world_size(self.replicas)))
+        return flat
+
+    def _wait(self, sync: _Sync) -> None:
+        """Wait for the sync's all-reduce; if a site was lost meanwhile, for its rerun among the sites left."""
+        while True:
+            try:
+                assert sync.work is not None
+                sync.work.wait()
+                return
+            except RuntimeError as error:
+                self._recover(error)
+
+    def _recover(self, error: RuntimeError) -> None:
+        """Re-form the outer group without the sites lost and run every sync in flight again there; the sites left must
+        stand where this one does (the same outer steps taken and syncs in flight), else a SiteError says so."""
+        group = self.regroup() if self.regroup is not None else None
+        if group is None:
+            raise error
+        self.group, self.sites = group, group.size()
+        in_flight = [0] * len(self.fragments)
+        for sync in self.pending:
+            in_flight[sync.fragment] += 1
+        mine = torch.tensor(self.applied + in_flight)
+        every = [torch.zeros_like(mine) for _ in range(group.size())]
+        group.allgather([every], [mine]).wait()
+        if any(not torch.equal(other, mine) for other in every):
+            raise SiteError(
+                f"site {self.site_label}: the sites left after a lost one stood at different outer steps (per fragment "
+                f"taken, then in flight: {[o.tolist() for o in every]}); resume every site from the last checkpoint "
+                f"they all saved (resume=auto)"
+            )
+        for sync in self.pending:
+            sync.summed = self._flat(sync.sent)
+            sync.work = group.allreduce([self._share(sync.summed)])
 
     def _share(self, flat: torch.Tensor) -> torch.Tensor:
         """The part of `flat` this rank sends over the WAN: all of it, or among replicas its row of `flat` (padded to
@@ -223,7 +295,7 @@ class DiLoCo:
         """The outer step for one fragment, its averaged pseudo-gradients as the outer gradients; its parameters become
         the new outer ones plus what the inner steps since the all-reduce started changed (nothing is lost to the
         overlap: the next pseudo-gradient carries it)."""
-        sync.work.wait()
+        self._wait(sync)
         self.pending.remove(sync)
         indices = self.fragments[sync.fragment]
         with torch.no_grad():
@@ -235,7 +307,7 @@ class DiLoCo:
                     _local(self.params[i]).flatten() - _local(self.outer[i]).flatten() + sent
                     for i, sent in zip(indices, sync.sent, strict=True)
                 ]
-                if sync.sent
+                if sync.overlapped
                 else []
             )
             for outer in self.outer:
@@ -251,7 +323,7 @@ class DiLoCo:
                 if since:
                     _local(self.params[i]).add_(since[k].view(_local(self.params[i]).shape))
                 self.outer[i].grad = None
-        self.outer_steps += 1
+        self.applied[sync.fragment] += 1
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """The outer parameters and Nesterov momenta by parameter name (DTensors where the parameters are sharded), for

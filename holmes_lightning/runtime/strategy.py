@@ -434,7 +434,14 @@ class HolmesStrategy(ModelParallelStrategy):
         )
         sharded = any(isinstance(p, DTensor) for _, p in named)
         replicas = None if sharded or self.plan_mesh is None else self.plan_mesh.dp_group
-        return DiLoCo(named, self.site.group, self.diloco_settings, site_label=self.site.label, replicas=replicas)
+        return DiLoCo(
+            named,
+            self.site.group,
+            self.diloco_settings,
+            site_label=self.site.label,
+            replicas=replicas,
+            regroup=self.site.regroup,
+        )
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:

@@ -1,0 +1,47 @@
+"""One rank of a DiLoCo job over sites A, B and C (one rank each) in which site B's machine is lost at inner step
+`LOSE_AT`: each site moves its weights its own way every inner step, an outer step follows every inner step, and
+A and C save their weights after each one to OUT/SITE.pt. Run by tests/test_diloco.py under `launch_job(sites=...)`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from holmes_lightning.launch.processes import launched_topology
+from holmes_lightning.planner.sites import DiLoCoSettings
+from holmes_lightning.runtime.diloco import DiLoCo, Site, SiteLaunch
+
+STEPS, LOSE_AT = 6, 3
+
+
+def moved(site: int) -> float:
+    """How far a site's inner steps move every weight per step: unlike per site, so the mean tells who took part."""
+    return 0.1 * (site + 1) ** 2
+
+
+def main(out: Path) -> None:
+    site = Site.launched(launched_topology(), SiteLaunch.from_env(), None)
+    site.connect(0, 1, timedelta(seconds=60))
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 2)
+    settings = DiLoCoSettings(sync_every=1, streaming=False)
+    diloco = DiLoCo(net.named_parameters(), site.group, settings, site_label=site.label, regroup=site.regroup)
+    after = []
+    for step in range(1, STEPS + 1):
+        if site.label == "B" and step == LOSE_AT:
+            os.kill(os.getpid(), signal.SIGKILL)  # as a lost machine ends it
+        with torch.no_grad():
+            for param in net.parameters():
+                param.sub_(moved(site.index))
+        diloco.after_inner_step(step)
+        after.append([param.detach().clone() for param in net.parameters()])
+    torch.save({"after": after, "sites": diloco.sites}, out / f"{site.label}.pt")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
