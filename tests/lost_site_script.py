@@ -1,6 +1,7 @@
 """One rank of a DiLoCo job over sites A, B and C (one rank each) in which site B's machine is lost at inner step
-`LOSE_AT`: each site moves its weights its own way every inner step, an outer step follows every inner step, and
-A and C save their weights after each one to OUT/SITE.pt. Run by tests/test_diloco.py under `launch_job(sites=...)`."""
+`LOSE_AT`: each site moves its weights its own way every inner step, an outer step (8-bit pseudo-gradients, which
+carry one value repeated exactly) follows every inner step, and A and C save their weights after each one to
+OUT/SITE.pt. Run by tests/test_diloco.py under `launch_job(sites=...)`."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def main(out: Path) -> None:
     site.connect(0, 1, timedelta(seconds=60))
     torch.manual_seed(0)
     net = torch.nn.Linear(3, 2)
-    settings = DiLoCoSettings(sync_every=1, streaming=False)
+    settings = DiLoCoSettings(sync_every=1, streaming=False, outer_bits=8)  # all-gathered, quantised
     diloco = DiLoCo(net.named_parameters(), site.group, settings, site_label=site.label, regroup=site.regroup)
     after = []
     for step in range(1, STEPS + 1):

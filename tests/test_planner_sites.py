@@ -110,7 +110,9 @@ def test_the_outer_all_reduce_crosses_the_slowest_link_of_the_ring_over_sites():
     assert link == cluster_link(two, "A", "B") and seconds == pytest.approx(4e9 / link.bytes_per_s)
     three = Topology.from_config("multi_site")  # A-B 100, B-C 25, A-C 10 Gb/s: the ring's slowest hop is A-C
     seconds, link = outer_sync_s(three, (("A",), ("B",), ("C",)), parameters=1e9, outer_bits=4)
-    assert link == cluster_link(three, "A", "C") and seconds == pytest.approx(4 / 3 * 0.5e9 / link.bytes_per_s)
+    # 4 bits are all-gathered: every other site's half byte per value, and a 4-byte scale per 128 values
+    assert link == cluster_link(three, "A", "C")
+    assert seconds == pytest.approx(2 * (0.5e9 + 4e9 / 128) / link.bytes_per_s)
     seconds, link = outer_sync_s(three, (("A", "B"), ("C",)), parameters=1e9, outer_bits=32)  # B-C: faster than A-C
     assert link == cluster_link(three, "B", "C") and seconds == pytest.approx(4e9 / link.bytes_per_s)
 

@@ -278,8 +278,8 @@ class ElasticConfig:
 class DiLoCoConfig(_editable(DiLoCoSettings)):
     """DiLoCo across sites (`strategy.cross_site=diloco`, and as the plan CLI predicts it next to one pipeline): the
     `DiLoCoSettings` fields (`sync_every` inner steps between outer steps; `outer_bits` per pseudo-gradient value sent,
-    32 or 16, 8 and 4 predicted only; `streaming` in `fragments`, each all-reduce running during the next
-    `overlap_steps` inner steps; the outer Nesterov SGD's `outer_lr` and `outer_momentum`), plus `sites`: how the
+    32, 16 (bf16), or 8 and 4 quantised and all-gathered; `streaming` in `fragments`, each all-reduce running during the
+    next `overlap_steps` inner steps; the outer Nesterov SGD's `outer_lr` and `outer_momentum`), plus `sites`: how the
     clusters group into sites (`A+B|C`; null: the fewest sites the links cut them into), and `allowed`:
     `strategy.cross_site=auto` may choose DiLoCo (it changes the optimisation, so only when you say so)."""
 

@@ -6,8 +6,9 @@ topology into sites, the groups its faster links join (`site_groupings`), so k c
 see them as two or more sites. Under DiLoCo each site trains its own replica, planned by Holmes on the site's machines
 with a share of the global batch in proportion to its compute (`site_batches`), so the sites together take the
 same samples per inner step as the pipeline. The sites run H inner steps in lockstep (the slowest site sets the pace),
-then all-reduce their pseudo-gradients (the change of every parameter, `outer_bits` per value) in a ring over the
-sites, as fast as its slowest link (a pair of sites talks over the fastest link between their clusters). Streaming
+then all-reduce their pseudo-gradients (the change of every parameter, `outer_bits` per value; 8 and 4 bits are
+all-gathered instead, sums of quantised values not being quantised values) in a ring over the sites, as fast as its
+slowest link (a pair of sites talks over the fastest link between their clusters). Streaming
 (the parameters in fragments, each all-reduced while the next `overlap_steps` inner steps run) hides what those
 steps last; without it, the all-reduce adds to the H steps.
 """
@@ -37,12 +38,16 @@ class CrossSite(ConfigEnum):
     auto = "auto"
 
 
+QUANT_BLOCK = 128  # values per scale when pseudo-gradients are sent in 8 or 4 bits
+
+
 @dataclass(frozen=True)
 class DiLoCoSettings:
     """`sync_every`: inner steps between outer steps (H); `outer_bits`: bits per value of the pseudo-gradients sent
-    (32: DiLoCo; 16 bf16; 8 and 4: Streaming DiLoCo's quantised ones, predicted only); `streaming`: the parameters
-    go in `fragments` synchronised in turn, each all-reduce overlapping the next `overlap_steps` inner steps (else the
-    sites wait for it); `outer_lr`, `outer_momentum`: the outer Nesterov SGD's (the DiLoCo paper's 0.7 and 0.9)."""
+    (32: DiLoCo; 16 bf16; 8 and 4: Streaming DiLoCo's, quantised per block of `QUANT_BLOCK` values); `streaming`: the
+    parameters go in `fragments` synchronised in turn, each all-reduce overlapping the next `overlap_steps` inner steps
+    (else the sites wait for it); `outer_lr`, `outer_momentum`: the outer Nesterov SGD's (the DiLoCo paper's 0.7 and
+    0.9)."""
 
     sync_every: int = 500
     outer_bits: int = 32
@@ -179,8 +184,9 @@ def site_batches(topology: Topology, grouping: Grouping, global_batch: int) -> t
 
 
 def outer_sync_s(topology: Topology, grouping: Grouping, parameters: float, outer_bits: int) -> tuple[float, Link]:
-    """Seconds of one all-reduce of the pseudo-gradients in a ring over the sites (config order), and its slowest
-    link: each site sends and receives 2 (n - 1) / n of them."""
+    """Seconds of one exchange of the pseudo-gradients in a ring over the sites (config order), and its slowest link:
+    an all-reduce, each site sending and receiving 2 (n - 1) / n of them; quantised (8 or 4 bits, one fp32 scale per
+    `QUANT_BLOCK` values), an all-gather, each site receiving every other site's."""
     n = len(grouping)
     hops = [(grouping[i], grouping[(i + 1) % n]) for i in range(n if n > 2 else 1)]
     links = [
@@ -188,8 +194,9 @@ def outer_sync_s(topology: Topology, grouping: Grouping, parameters: float, oute
         for first, second in hops
     ]
     slowest = min(links, key=lambda link: link.gbps)
-    nbytes = parameters * outer_bits / 8
-    return 2 * (n - 1) / n * nbytes / slowest.bytes_per_s, slowest
+    if outer_bits < 16:
+        return (n - 1) * parameters * (outer_bits / 8 + 4 / QUANT_BLOCK) / slowest.bytes_per_s, slowest
+    return 2 * (n - 1) / n * parameters * outer_bits / 8 / slowest.bytes_per_s, slowest
 
 
 def predict_diloco(

@@ -32,6 +32,7 @@ from torch.optim import SGD
 from holmes_lightning.launch.outer_store import LOST_SITES_KEY, lost_sites
 from holmes_lightning.launch.processes import OUTER_STORE_ENV, OUTER_SUPERVISED_ENV, SITE_ENV, SITES_ENV
 from holmes_lightning.planner.sites import (
+    QUANT_BLOCK,
     CrossSite,
     DiLoCoSettings,
     Grouping,
@@ -169,6 +170,7 @@ class _Sync:
     due: int
     sent: list[torch.Tensor]
     overlapped: bool
+    gathered: list[torch.Tensor] = field(default_factory=list)  # quantised: every site's values, to sum once done
 
 
 class DiLoCo:
@@ -238,28 +240,43 @@ class DiLoCo:
         sync = _Sync(fragment, self._flat(deltas), None, done + overlap, deltas, overlap > 0)
         self.pending.append(sync)
         try:
-            sync.work = self.group.allreduce([self._share(sync.summed)])
+            self._exchange(sync)
         except RuntimeError as error:  # a site's ranks are gone
             self._recover(error)
         if overlap == 0:
             self._apply(sync)
 
     def _flat(self, deltas: list[torch.Tensor]) -> torch.Tensor:
-        """The pseudo-gradients as one buffer of `outer_bits` per value, padded to a row per replica."""
+        """The pseudo-gradients as one buffer (bf16 for `outer_bits=16`, else fp32), padded to a row per replica."""
         flat = torch.cat(deltas).to(torch.bfloat16 if self.settings.outer_bits == 16 else torch.float32)
         if self.replicas is not None:
             flat = torch.nn.functional.pad(flat, (0, -flat.numel() % dist.get_world_size(self.replicas)))
         return flat
 
+    def _exchange(self, sync: _Sync) -> None:
+        """Start summing this rank's share of the sync's buffer over the sites: an all-reduce, or with 8 or 4 bits an
+        all-gather of every site's quantised values (summed once it is done, `_wait`)."""
+        share, bits = self._share(sync.summed), self.settings.outer_bits
+        if bits >= 16:
+            sync.work = self.group.allreduce([share])
+            return
+        packed = quantize(share, bits)
+        sync.gathered = [torch.empty_like(packed) for _ in range(self.sites)]
+        sync.work = self.group.allgather([sync.gathered], [packed])
+
     def _wait(self, sync: _Sync) -> None:
-        """Wait for the sync's all-reduce; if a site was lost meanwhile, for its rerun among the sites left."""
+        """Wait for the sync's exchange (if a site was lost meanwhile, for its rerun among the sites left); quantised,
+        every site sums the same dequantised values in the same order, so all take the same outer step."""
         while True:
             try:
                 assert sync.work is not None
                 sync.work.wait()
-                return
+                break
             except RuntimeError as error:
                 self._recover(error)
+        if sync.gathered:
+            share = self._share(sync.summed)
+            share.copy_(sum(dequantize(packed, self.settings.outer_bits, share.numel()) for packed in sync.gathered))
 
     def _recover(self, error: RuntimeError) -> None:
         """Re-form the outer group without the sites lost and run every sync in flight again there; the sites left must
@@ -282,7 +299,7 @@ class DiLoCo:
             )
         for sync in self.pending:
             sync.summed = self._flat(sync.sent)
-            sync.work = group.allreduce([self._share(sync.summed)])
+            self._exchange(sync)
 
     def _share(self, flat: torch.Tensor) -> torch.Tensor:
         """The part of `flat` this rank sends over the WAN: all of it, or among replicas its row of `flat` (padded to
@@ -348,6 +365,31 @@ def check_alike(names: list[str], params: list[torch.Tensor], group: dist.Proces
             f"strategy.dp and strategy.partition (HolmesStrategy(pp=, dp=, partition=)) so that every site runs one "
             f"plan, on sites of as many ranks"
         )
+
+
+def quantize(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """`values` in `bits` (8 or 4) per value, symmetric round-to-nearest per block of `QUANT_BLOCK` values scaled by
+    the block's largest magnitude, as bytes: the values (4 bits: two per byte), then the blocks' fp32 scales."""
+    levels = 2 ** (bits - 1) - 1
+    blocks = torch.nn.functional.pad(values.float(), (0, -values.numel() % QUANT_BLOCK)).view(-1, QUANT_BLOCK)
+    scales = blocks.abs().amax(dim=1, keepdim=True) / levels
+    scales[scales == 0] = 1.0
+    quantised = torch.round(blocks / scales).clamp_(-levels, levels).to(torch.int16) + levels  # 0 .. 2 levels
+    if bits == 4:
+        quantised = quantised[:, 0::2] | (quantised[:, 1::2] << 4)
+    return torch.cat([quantised.to(torch.uint8).flatten(), scales.flatten().view(torch.uint8)])
+
+
+def dequantize(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """The first `count` values `quantize` packed, in fp32."""
+    levels, per_byte = 2 ** (bits - 1) - 1, 8 // bits
+    blocks = -(-count // QUANT_BLOCK)
+    body, scales = packed[: blocks * QUANT_BLOCK // per_byte], packed[blocks * QUANT_BLOCK // per_byte :]
+    quantised = body.to(torch.int16)
+    if bits == 4:
+        quantised = torch.stack([quantised & 0xF, quantised >> 4], dim=1)
+    values = (quantised.view(blocks, QUANT_BLOCK) - levels).float() * scales.view(torch.float32).view(blocks, 1)
+    return values.flatten()[:count]
 
 
 def _fragments(sizes: list[int], count: int) -> list[list[int]]:
