@@ -7,7 +7,11 @@ Rank i of every site holds the same shards (the sites plan alike, checked at sta
 between ranks of equal site-local rank, one group per rank, and never gathers a parameter. Streaming: the parameters
 split into `fragments` synchronised in turn, each all-reduce running while the next `overlap_steps` inner steps do;
 the fragment's parameters then become the outer result plus what those inner steps changed (where torchft's DiLoCo
-with fragment_update_alpha=0 drops that progress), so a long overlap hides a slow WAN without losing steps.
+with fragment_update_alpha=0 drops that progress), so a long overlap hides a slow WAN without losing steps. With 8 or
+4 bits per value the pseudo-gradients are quantised per block and all-gathered, every site summing the same values.
+
+A lost site: the launcher names it in the store the sites meet at (hosted apart from them, `launch.outer_store`); the
+ranks left, whose outer collective failed, re-form their groups without it and run the syncs in flight again there.
 
 Written here rather than taken from torchft: torchft's DiLoCo needs its Manager, a lighthouse server and a quorum
 per step to form its replica groups, where the sites here are fixed at launch and their groups are plain gloo ones.
