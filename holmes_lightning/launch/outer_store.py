@@ -1,9 +1,9 @@
 """The store where a DiLoCo job's sites meet, hosted apart from every site so that losing one leaves it standing.
 
-`python -m holmes_lightning.launch.outer_store HOST PORT` hosts a TCPStore until its standard input closes; each line
-`lost SITE` read meanwhile adds the site to `LOST_SITES_KEY`, which the surviving sites' ranks read to re-form their
-outer groups without it. Our launcher starts it (`OuterStore`); a job started another way may run it on any machine
-that stays up, set `HOLMES_OUTER_SUPERVISED=1` on every rank, and write the lost sites the same way.
+`python -m holmes_lightning.launch.store_server HOST PORT` hosts a TCPStore until its standard input closes; each
+line `lost SITE` read meanwhile adds the site to `LOST_SITES_KEY`, which the surviving sites' ranks read to re-form
+their outer groups without it. Our launcher starts it (`OuterStore`); a job started another way may run it on any
+machine that stays up, set `HOLMES_OUTER_SUPERVISED=1` on every rank, and write the lost sites the same way.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Sequence
-from datetime import timedelta
 
 LOST_SITES_KEY = "holmes-outer/lost"  # the sites lost so far, each followed by "|": "B|C|"
 SEPARATOR = "|"
@@ -28,7 +27,7 @@ class OuterStore:
 
     def __init__(self, host: str, port: int, prefix: Sequence[str] = ()) -> None:
         self.address = f"{host}:{port}"
-        command = [*prefix, sys.executable, "-m", __name__, host, str(port)]
+        command = [*prefix, sys.executable, "-m", "holmes_lightning.launch.store_server", host, str(port)]
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, text=True)
 
     def lose(self, site: str) -> None:
@@ -45,19 +44,3 @@ class OuterStore:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    import torch.distributed as dist  # the launcher itself never imports torch
-
-    host, port = argv or sys.argv[1:]
-    store = dist.TCPStore(host, int(port), None, True, timedelta(hours=24), wait_for_workers=False)
-    store.set(LOST_SITES_KEY, "")
-    for line in sys.stdin:
-        command, _, site = line.strip().partition(" ")
-        if command == "lost" and site:
-            store.append(LOST_SITES_KEY, site + SEPARATOR)
-
-
-if __name__ == "__main__":
-    main()
