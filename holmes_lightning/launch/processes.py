@@ -25,7 +25,7 @@ LAUNCHED_ENV = "HOLMES_LAUNCHED"  # every rank of the job runs on this host (emu
 TOPOLOGY_ENV = "HOLMES_TOPOLOGY"  # the launched cluster, as `Topology.to_dict()` JSON
 SITE_ENV = "HOLMES_SITE"  # cross-site DiLoCo: this rank's site, its clusters joined by "+" (its own job and world)
 SITES_ENV = "HOLMES_SITES"  # cross-site DiLoCo: every site of the job, `A+B|C`
-OUTER_STORE_ENV = "HOLMES_OUTER_STORE"  # HOST:PORT where the sites' ranks meet (the first site's rank 0 hosts it)
+OUTER_STORE_ENV = "HOLMES_OUTER_STORE"  # HOST:PORT where the sites' ranks meet (else the first site's rank 0 hosts it)
 # "1": a process apart from the sites hosts that store and names the sites lost there (`launch.outer_store`)
 OUTER_SUPERVISED_ENV = "HOLMES_OUTER_SUPERVISED"
 
@@ -120,14 +120,14 @@ def launch_job(
     that runs it there; default `master_addr`, this machine); the whole cluster stays in `TOPOLOGY_ENV`. A rank
     killed by a signal (a lost machine) stops its site only, while fewer than `may_lose` sites were lost and one is
     left: the others go on without it (told through the store); otherwise every site stops."""
-    store = None
+    losses = None
     if sites is None:
         port = master_port or free_port()
         envs = [rank_env(topology, rank, master_addr, port) for rank in range(topology.world_size)]
     else:
         host, prefix = store_at or (master_addr, ())
-        store = OuterStore(host, free_port(), prefix)
-        envs = site_rank_envs(topology, sites, node_address or (lambda _node: master_addr), store.address)
+        losses = _SiteLosses(sites, topology, OuterStore(host, free_port(), prefix), may_lose)
+        envs = site_rank_envs(topology, sites, node_address or (lambda _node: master_addr), losses.store.address)
     procs: list[RankProcess] = []
     try:
         for rank, rank_vars in enumerate(envs):
@@ -136,12 +136,11 @@ def launch_job(
             env.update(node_env(node) if node_env else {})
             argv = [*(node_prefix(node) if node_prefix else []), *command]
             procs.append(RankProcess(rank, node, subprocess.Popen(argv, env=env)))
-        losses = None if sites is None or store is None else _SiteLosses(sites, topology, store, may_lose)
         return _supervise(procs, topology, grace_s, losses)
     finally:
         _stop(procs, grace_s)
-        if store is not None:
-            store.close()
+        if losses is not None:
+            losses.store.close()
 
 
 def site_rank_envs(
@@ -151,7 +150,7 @@ def site_rank_envs(
     (HOST:PORT, hosted apart from the sites)."""
     envs: dict[int, dict[str, str]] = {}
     for site in sites:
-        nodes = site_nodes(topology, site)
+        nodes = [node for node in topology.nodes if node.cluster in site]
         own = topology.keeping([node.name for node in nodes])
         master, port = address(nodes[0].index), free_port()
         ranks = [rank for node in nodes for rank in node.ranks]
@@ -167,11 +166,6 @@ def site_rank_envs(
                 }
             )
     return [envs[rank] for rank in range(topology.world_size)]
-
-
-def site_nodes(topology: Topology, site: Sequence[str]) -> list:
-    """The nodes of the site's clusters, in the topology's order."""
-    return [node for node in topology.nodes if node.cluster in site]
 
 
 @dataclass
