@@ -12,6 +12,8 @@ with fragment_update_alpha=0 drops that progress), so a long overlap hides a slo
 
 A lost site: the launcher names it in the store the sites meet at (hosted apart from them, `launch.outer_store`); the
 ranks left, whose outer collective failed, re-form their groups without it and run the syncs in flight again there.
+Where some of the lost site's ranks outlive the others, the exchanges they finished meanwhile count its last
+pseudo-gradients: those parameters take it in that outer step, the rest do not (every site left still agrees).
 
 Written here rather than taken from torchft: torchft's DiLoCo needs its Manager, a lighthouse server and a quorum
 per step to form its replica groups, where the sites here are fixed at launch and their groups are plain gloo ones.
@@ -321,7 +323,8 @@ class DiLoCo:
         indices = self.fragments[sync.fragment]
         with torch.no_grad():
             if self.replicas is not None:
-                dist.all_gather_into_tensor(sync.summed, self._share(sync.summed).clone(), group=self.replicas)
+                rows = list(sync.summed.view(dist.get_world_size(self.replicas), -1))  # written in place
+                dist.all_gather(rows, self._share(sync.summed).clone(), group=self.replicas)
             sizes = [_local(self.outer[i]).numel() for i in indices]
             since = (
                 [  # parameters now less those the pseudo-gradients were taken from (outer - sent)
