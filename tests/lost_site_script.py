@@ -32,7 +32,7 @@ def main(out: Path) -> None:
     rank = dist.get_rank()
     site = Site.launched(launched_topology(), SiteLaunch.from_env(), None)
     site.connect(rank, 2, timedelta(seconds=60))
-    torch.manual_seed(0)
+    torch.manual_seed(site.index)  # each site's own weights: every site starts from the first's (seed 0)
     net = torch.nn.Linear(3, 2)
     settings = DiLoCoSettings(sync_every=1, streaming=False, outer_bits=8)  # all-gathered, quantised
     diloco = DiLoCo(

@@ -215,10 +215,21 @@ class DiLoCo:
         self.applied = [0] * len(self.fragments)  # outer steps taken per fragment
 
     def _broadcast_from_first_site(self) -> None:
-        """Every site starts from the first site's parameters (a resume then loads its checkpoint's)."""
+        """Every site starts from the first site's parameters (a resume then loads its checkpoint's); replicas each
+        receive a share over the WAN and gather the rest over their own links."""
         with torch.no_grad():
-            for param in self.params:
-                self.group.broadcast([_local(param)]).wait()
+            if self.replicas is None:
+                for param in self.params:
+                    self.group.broadcast([_local(param)]).wait()
+                return
+            flat = torch.cat([_local(param).flatten() for param in self.params])  # in the widest dtype among them
+            replicas = dist.get_world_size(self.replicas)
+            flat = torch.nn.functional.pad(flat, (0, -flat.numel() % replicas))
+            self.group.broadcast([self._share(flat)]).wait()
+            dist.all_gather(list(flat.view(replicas, -1)), self._share(flat).clone(), group=self.replicas)
+            sizes = [_local(param).numel() for param in self.params]
+            for param, values in zip(self.params, flat[: sum(sizes)].split(sizes), strict=True):
+                _local(param).copy_(values.view(_local(param).shape))
 
     def after_inner_step(self, done: int) -> None:
         """After inner step `done` (1-based): apply the fragments whose all-reduce is due, start those whose turn
