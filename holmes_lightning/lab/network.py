@@ -130,8 +130,12 @@ def build_network(network: LabNetwork) -> None:
     Raises LabUnavailable when the first namespace cannot be created, LabError when a later step fails.
     """
     _add_namespace(network.bridge)
-    bridge = ["link set lo up", "link add br0 type bridge forward_delay 0 stp_state 0", "link set br0 up"]
-    bridge.append(f"address add {STORE_ADDRESS}/24 dev br0")
+    bridge = [
+        "link set lo up",
+        "link add br0 type bridge forward_delay 0 stp_state 0",
+        "link set br0 up",
+        f"address add {STORE_ADDRESS}/24 dev br0",
+    ]
     for node in network.nodes:
         _add_namespace(node.namespace)
         port = f"n{node.index}"
