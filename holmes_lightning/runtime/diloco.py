@@ -222,11 +222,9 @@ class DiLoCo:
                 for param in self.params:
                     self.group.broadcast([_local(param)]).wait()
                 return
-            flat = torch.cat([_local(param).flatten() for param in self.params])  # in the widest dtype among them
-            replicas = dist.get_world_size(self.replicas)
-            flat = torch.nn.functional.pad(flat, (0, -flat.numel() % replicas))
+            flat = self._padded(torch.cat([_local(param).flatten() for param in self.params]))  # the widest dtype
             self.group.broadcast([self._share(flat)]).wait()
-            dist.all_gather(list(flat.view(replicas, -1)), self._share(flat).clone(), group=self.replicas)
+            self._gather_rows(flat)
             sizes = [_local(param).numel() for param in self.params]
             for param, values in zip(self.params, flat[: sum(sizes)].split(sizes), strict=True):
                 _local(param).copy_(values.view(_local(param).shape))
@@ -266,9 +264,16 @@ class DiLoCo:
     def _flat(self, deltas: list[torch.Tensor]) -> torch.Tensor:
         """The pseudo-gradients as one buffer (bf16 for `outer_bits=16`, else fp32), padded to a row per replica."""
         flat = torch.cat(deltas).to(torch.bfloat16 if self.settings.outer_bits == 16 else torch.float32)
-        if self.replicas is not None:
-            flat = torch.nn.functional.pad(flat, (0, -flat.numel() % dist.get_world_size(self.replicas)))
-        return flat
+        return flat if self.replicas is None else self._padded(flat)
+
+    def _padded(self, flat: torch.Tensor) -> torch.Tensor:
+        """`flat` padded to as many rows as replicas."""
+        return torch.nn.functional.pad(flat, (0, -flat.numel() % dist.get_world_size(self.replicas)))
+
+    def _gather_rows(self, flat: torch.Tensor) -> None:
+        """Every replica's row of `flat` (`_share`) from that replica, written in place."""
+        rows = list(flat.view(dist.get_world_size(self.replicas), -1))
+        dist.all_gather(rows, self._share(flat).clone(), group=self.replicas)
 
     def _exchange(self, sync: _Sync) -> None:
         """Start summing this rank's share of the sync's buffer over the sites: an all-reduce, or with 8 or 4 bits an
@@ -334,8 +339,7 @@ class DiLoCo:
         indices = self.fragments[sync.fragment]
         with torch.no_grad():
             if self.replicas is not None:
-                rows = list(sync.summed.view(dist.get_world_size(self.replicas), -1))  # written in place
-                dist.all_gather(rows, self._share(sync.summed).clone(), group=self.replicas)
+                self._gather_rows(sync.summed)
             sizes = [_local(self.outer[i]).numel() for i in indices]
             since = (
                 [  # parameters now less those the pseudo-gradients were taken from (outer - sent)
