@@ -20,6 +20,7 @@ from holmes_lightning.planner.bounds import (
 from holmes_lightning.planner.options import MODELLED_SCHEDULES
 from holmes_lightning.planner.plan_types import locate_virtual, virtual_stage
 from holmes_lightning.planner.schedules import WEIGHT, microbatch_problem
+from holmes_lightning.planner.simulate import Replay
 
 seconds = st.floats(0.0, 5.0, allow_nan=False)
 
@@ -34,13 +35,19 @@ def pipelines(draw):
     chunks = 2 if schedule.v_shaped else chunks
     if microbatch_problem(schedule, pp, m):
         m = {"1F1B": max(m, pp), "DualPipeV": max(m, 2 * pp)}.get(schedule.value, pp)
+    return schedule, pp, m, chunks, *draw(timings(schedule, pp, chunks))
+
+
+@st.composite
+def timings(draw, schedule, pp, chunks):
+    """Forward, backward and send seconds per virtual stage, tails per stage, weight passes where split."""
     virtual = pp * chunks
     forward = [draw(st.floats(0.01, 3.0)) for _ in range(virtual)]
     backward = [f * draw(st.floats(0.5, 3.0)) for f in forward]
     send = [draw(st.sampled_from([0.0, 0.05, 0.5, 2.0])) for _ in range(virtual - 1)] + [0.0]
     tails = [draw(st.sampled_from([0.0, 0.3, 3.0])) for _ in range(pp)]
     weight = [b * draw(st.floats(0.0, 0.9)) for b in backward] if schedule.splits_backward else None
-    return schedule, pp, m, chunks, forward, backward, send, tails, weight
+    return forward, backward, send, tails, weight
 
 
 @settings(max_examples=150, deadline=None)
@@ -98,6 +105,31 @@ def test_every_path_bound_stays_under_the_simulated_step(pipeline, backend):
         )
         trailing = sum(weight[own[j]] for j in shapes.trailing[s])
         assert head[s] + path + max(tails[s] + trailing, drains[s]) <= step * (1 + 1e-9)
+
+
+@settings(max_examples=150, deadline=None)
+@given(pipelines(), st.booleans(), st.data())
+def test_a_critical_path_is_the_step_and_under_it_at_any_other_seconds(pipeline, buffered, data):
+    """A simulated step's critical path, as long as the step; under another step's seconds (the same schedule, stages
+    and micro-batches), no longer than that step: which action waits for which does not depend on the seconds."""
+    schedule, pp, m, chunks, *_ = pipeline
+    replay = Replay.of(schedule, pp, m, chunks)
+
+    def seconds(forward, full, send, tails, weight):
+        """The seconds as the replay takes them, and as the path counts them (input passes, early parts)."""
+        weight = weight or [0.0] * len(forward)
+        early = [c * data.draw(st.sampled_from([0.0, 0.5, 1.0])) for c in send]
+        gradient = [b - w for b, w in zip(full, weight, strict=True)]
+        as_replayed = (forward, full, send, tails, None, early, buffered, weight if schedule.splits_backward else None)
+        return as_replayed, (forward, gradient, weight, send, early, tails)
+
+    replayed, counted = seconds(*pipeline[4:])
+    path = replay.critical_path(*replayed[:4], *replayed[5:])
+    step = replay.step_s(*replayed)
+    assert path.length_s(*counted) == pytest.approx(step, rel=1e-9, abs=1e-12)
+    for _ in range(3):
+        replayed, counted = seconds(*data.draw(timings(schedule, pp, chunks)))
+        assert path.length_s(*counted) <= replay.step_s(*replayed) * (1 + 1e-9) + 1e-12
 
 
 @settings(max_examples=200, deadline=None)

@@ -35,7 +35,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
+from typing import NamedTuple
 
 from holmes_lightning.planner.options import Backend, Schedule
 from holmes_lightning.planner.plan_types import StagePlan, locate_virtual, virtual_stage
@@ -236,6 +237,20 @@ class Replay:
         seconds that may run before the receiver posts its recv; `buffered`: a send is done once both sides have
         posted, its data left to the sockets (gloo), else once the data has arrived (NCCL); `weight`: of each
         backward, its weight pass's seconds, for a schedule that splits them)."""
+        ends, clock, _ = self._times(forward, backward, send, durations, early, buffered, weight)
+        return ends, clock
+
+    def _times(
+        self,
+        forward: Sequence[float],
+        backward: Sequence[float],
+        send: Sequence[float],
+        durations: Sequence[float] | None,
+        early: Sequence[float] | None,
+        buffered: bool,
+        weight: Sequence[float] | None,
+    ) -> tuple[list[float], list[float], _Moments]:
+        """`ends`, and when each action posted its send, its send was through and its input arrived."""
         if durations is None and self.split:
             durations = self.seconds(forward, backward, weight)
         pp, virtual, stage_of, waits_for, transfer = self.pp, self.virtual, self.stage_of, self.waits_for, self.transfer
@@ -295,7 +310,7 @@ class Replay:
             for gate in gates:
                 if through[gate] > clock[stage]:
                     clock[stage] = through[gate]
-        return ends, clock
+        return ends, clock, _Moments(posted, through, arrival)
 
     def shared(
         self,
@@ -347,6 +362,136 @@ class Replay:
         else:
             _, clock = self.ends(forward, backward, send, early=early, buffered=buffered, weight=weight)
         return max(end + extra for end, extra in zip(clock, tail, strict=True))
+
+    def critical_path(
+        self,
+        forward: Sequence[float],
+        backward: Sequence[float],
+        send: Sequence[float],
+        tail: Sequence[float],
+        early: Sequence[float] | None = None,
+        buffered: bool = False,
+        weight: Sequence[float] | None = None,
+    ) -> CriticalPath:
+        """The chain of waits that sets `step_s` of these seconds (ranks on cores of their own), found by walking back
+        from the stage that ends last through whatever each start waited for."""
+        ends, clock, (posted, through, arrival) = self._times(forward, backward, send, None, early, buffered, weight)
+        before, waiting_after, link_before, through_by, last = self._predecessors
+        virtual, n = self.virtual, self.pp * self.chunks
+        counts = {kind: [0] * n for kind in ("forward", "gradient", "weight", "send", "late")}
+
+        moments = {"posted": posted, "through": through, "arrival": arrival, "end": ends}
+
+        def at(kind: str, i: int) -> float:
+            return moments[kind][i] if i >= 0 else 0.0
+
+        def waiting(i: int) -> tuple[str, int]:  # when the receiver of the transfer into action i posted its recv
+            gate = self.gate[i]
+            if self.waits_then_posts and gate >= 0 and through[gate] > at("posted", waiting_after[i]):
+                return "through", gate
+            return "posted", waiting_after[i]
+
+        stage = max(range(self.pp), key=lambda s: clock[s] + tail[s])
+        node = max(
+            [("posted", last[stage])] + [("through", gate) for gate in self.final_gates[stage]], key=lambda n: at(*n)
+        )
+        while node[1] >= 0:
+            kind, i = node
+            if kind == "end":
+                k = virtual[i]
+                if not self.backward[i]:
+                    counts["forward"][k] += 1
+                else:
+                    counts["gradient"][k] += self.parts[i] != WEIGHT
+                    counts["weight"][k] += self.parts[i] != INPUT
+                source = self.waits_for[i]
+                waits = [("posted", before[i]), ("through", self.gate[i])]
+                if source >= 0:
+                    waits.append(("arrival", i) if self.transfer[i] >= 0 else ("end", source))
+                node = max(waits, key=lambda n: at(*n))
+            elif kind == "posted":
+                node = max([("end", i), ("through", self.after_gate[i])], key=lambda n: at(*n))
+            elif kind == "through":
+                receiver = through_by[i]
+                if not buffered:
+                    node = ("arrival", receiver)
+                elif self.rendezvous and at(*waiting(receiver)) > posted[i]:
+                    node = waiting(receiver)
+                else:
+                    node = ("posted", i)
+            else:  # the transfer into action i
+                k, source = self.transfer[i], self.waits_for[i]
+                ready = max([("posted", source), ("arrival", link_before[i])], key=lambda n: at(*n))
+                late = waiting(i)
+                lateness = early[k] if early is not None else 0.0
+                if self.rendezvous and at(*late) - lateness > at(*ready):
+                    counts["late"][k] += 1
+                    node = late
+                else:
+                    counts["send"][k] += 1
+                    node = ready
+        return CriticalPath(**{kind: tuple(values) for kind, values in counts.items()}, stage=stage)
+
+    @cached_property
+    def _predecessors(self) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+        """Per action: the one its stage ran before it; for a transfer into it, the last action its stage had run when
+        it was timed, and the transfer before it on its link; per sending action, the action it sends to; per stage,
+        its last action (-1: none)."""
+        n = len(self.actions)
+        before, waiting_after, link_before, through_by = [-1] * n, [-1] * n, [-1] * n, [-1] * n
+        last, on_link = [-1] * self.pp, {}
+        for step in self.steps:
+            if step < 0:
+                i = ~step
+                waiting_after[i] = last[self.stage_of[i]]
+                link_before[i] = on_link.get(self.link[i], -1)
+                on_link[self.link[i]] = i
+                through_by[self.waits_for[i]] = i
+            else:
+                before[step] = last[self.stage_of[step]]
+                last[self.stage_of[step]] = step
+        return before, waiting_after, link_before, through_by, last
+
+
+class _Moments(NamedTuple):
+    posted: list[float]
+    through: list[float]
+    arrival: list[float]
+
+
+@dataclass(frozen=True)
+class CriticalPath:
+    """A chain of waits through one step's actions: how many times it runs each virtual stage's forward, input pass
+    (the whole backward where a schedule does not split it), weight pass and transfer (`late`: a rendezvous
+    transfer less its `early` seconds), and the stage whose tail ends it.
+
+    Which action waits for which does not depend on the seconds, so under any seconds its length (`length_s`) is at
+    most the simulated step (ranks on cores of their own), and under the seconds it was found for it is the step.
+    """
+
+    forward: tuple[int, ...]
+    gradient: tuple[int, ...]
+    weight: tuple[int, ...]
+    send: tuple[int, ...]
+    late: tuple[int, ...]
+    stage: int
+
+    def length_s(
+        self,
+        forward: Sequence[float],
+        gradient: Sequence[float],
+        weight: Sequence[float],
+        send: Sequence[float],
+        early: Sequence[float],
+        tail: Sequence[float],
+    ) -> float:
+        """Its seconds, per virtual stage: forward, input pass, weight pass, transfer and its early part; per stage its
+        tail."""
+        total = tail[self.stage]
+        for k in range(len(forward)):
+            total += self.forward[k] * forward[k] + self.gradient[k] * gradient[k] + self.weight[k] * weight[k]
+            total += self.send[k] * send[k] + self.late[k] * (send[k] - early[k])
+        return total
 
 
 def _gates(schedule: Schedule, order: Sequence[Action], sends: Sequence[bool]) -> list[tuple[int, int]]:
