@@ -61,6 +61,20 @@ def test_replicas_all_reduce_per_bucket_in_a_pipeline_and_per_layer_without_one(
     assert sync(replicas, pipelined=False) == pytest.approx(2 * share + LAYERS * 2 * LATENCY)
 
 
+@pytest.mark.parametrize("sharding", [Sharding.fsdp, Sharding.none])
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+@pytest.mark.parametrize("n", [2, 8])
+def test_a_stage_s_sync_is_at_least_the_sum_of_its_parts_shares(sharding, backend, n):
+    """The partition search bounds a stage's tail by its chunks' shares (`share=True`): linear in bytes and layers,
+    so they add up to the sync of the whole under FSDP and to at most it for replicas (whose buckets round up)."""
+    model = cost(sharding, backend)
+    parts = [(0.3 * BUCKET_BYTES, 1), (2.5 * BUCKET_BYTES, 2), (0.0, 0), (7.1 * BUCKET_BYTES, 4)]
+    whole = model.dp_sync_s(n, LINK, sum(b for b, _ in parts), layers=sum(k for _, k in parts), pipelined=True)
+    shares = sum(model.dp_sync_s(n, LINK, b, layers=k, pipelined=True, share=True) for b, k in parts)
+    assert shares == pytest.approx(whole) if sharding is Sharding.fsdp else shares <= whole * (1 + 1e-12)
+    assert shares > 0.9 * whole
+
+
 def test_hooks_and_the_dtensor_optimizer_cost_only_where_the_runtime_wraps_layers():
     fsdp, replicas = cost(Sharding.fsdp), cost(Sharding.none)
     assert fsdp.hook_s(1, pipelined=True) == replicas.hook_s(1, pipelined=False) == 0.0  # a group of one stays plain

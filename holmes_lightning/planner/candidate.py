@@ -26,6 +26,7 @@ class RangeCosts:
 
     ids: dict[tuple, int] = field(default_factory=dict)
     values: dict[tuple, tuple[tuple[float, float, float, float, float], float] | None] = field(default_factory=dict)
+    terms: dict[tuple, object] = field(default_factory=dict)  # what `cuts` keeps of the ranges, per `range_kind`
 
     def stage_id(self, stage: tuple) -> int:
         return self.ids.setdefault(stage, len(self.ids))
@@ -214,9 +215,21 @@ class Candidate:
     def tail_s(self, stage: int, param_bytes: float, layers: int, compute_s: float) -> float:
         """What follows a stage's last backward: the sync the computation does not hide, the optimizer step, and a
         pipeline's closing all-reduce of the loss over every rank."""
-        closing = self.cost.step_collective_s(self.layout.pp * self.layout.dp) if self.pipelined else 0.0
         exposed = self.exposed_sync_s(stage, param_bytes, layers, compute_s)
-        return exposed + self.update_s(param_bytes, layers) + closing
+        return exposed + self.update_s(param_bytes, layers) + self.closing_s
+
+    @property
+    def closing_s(self) -> float:
+        """A pipeline's closing all-reduce of the loss over every rank (0 without a pipeline)."""
+        return self.cost.step_collective_s(self.layout.pp * self.layout.dp) if self.pipelined else 0.0
+
+    def tail_share_s(self, stage: int, start: int, stop: int) -> float:
+        """What layers [start, stop) add at least to their stage's tail in a pipeline (whose sync runs after the
+        schedule, all exposed): `closing_s` plus the shares of a stage's chunks is at most its `tail_s`."""
+        params, layers = self.param_bytes(start, stop), stop - start
+        dp_link = self.hardware.dp_links[stage]
+        sync = self.cost.dp_sync_s(self.layout.dp, dp_link, params, layers=layers, pipelined=True, share=True)
+        return sync + self.update_s(params, layers)
 
     def memory_bytes(
         self, stage: int, param_bytes: float, ranges: Sequence[tuple[int, int] | None], level: int = 0
@@ -264,15 +277,32 @@ class Candidate:
         `range_costs` by what they depend on, which candidates of one cost model and micro-batch size may share
         whatever their memory ceiling (kept with the range's memory, the ceiling applied here).
         """
+        found = self._kept_range_cost(virtual_stage, start, stop)
+        if found is None or not self._under_ceiling(found[1]):
+            return None
+        return found[0]
+
+    def range_kind(self, virtual_stage: int) -> tuple:
+        """What a virtual stage's `range_cost` depends on besides its range and the memory ceiling."""
+        stage, chunk = self.located[virtual_stage]
+        return self._stage_ids[stage], chunk, self._out_links[virtual_stage]
+
+    def least_range_cost(
+        self, virtual_stage: int, start: int, stop: int
+    ) -> tuple[float, float, float, float, float] | None:
+        """`range_cost` whatever the memory ceiling (None: the range alone fits the memory limit at no level)."""
+        found = self._kept_range_cost(virtual_stage, start, stop)
+        return None if found is None else found[0]
+
+    def _kept_range_cost(
+        self, virtual_stage: int, start: int, stop: int
+    ) -> tuple[tuple[float, float, float, float, float], float] | None:
         stage, chunk = self.located[virtual_stage]
         key = (self._stage_ids[stage], chunk, self._out_links[virtual_stage], start, stop)
         values = self.range_costs.values
         if key not in values:
             values[key] = self._range_cost(virtual_stage, start, stop)
-        found = values[key]
-        if found is None or not self._under_ceiling(found[1]):
-            return None
-        return found[0]
+        return values[key]
 
     def _range_cost(
         self, virtual_stage: int, start: int, stop: int
@@ -373,7 +403,7 @@ class Candidate:
                     sync_s=self.sync_s(s, params, layers),
                     exposed_sync_s=self.exposed_sync_s(s, params, layers, sum(forward) + sum(backward)),
                     update_s=self.update_s(params, layers),
-                    closing_s=self.cost.step_collective_s(pp * dp) if self.pipelined else 0.0,
+                    closing_s=self.closing_s,
                     memory_gb=self.memory_bytes(s, params, own, level) / GB,
                     checkpointing=self.checkpointing[level],
                 )

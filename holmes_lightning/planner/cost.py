@@ -201,10 +201,18 @@ class CostModel:
         return self.topology.slowest_link(ranks, rdma=self.rdma)
 
     def dp_sync_s(
-        self, group_size: int, link: Link, param_bytes: float, *, layers: int = 1, pipelined: bool = True
+        self,
+        group_size: int,
+        link: Link,
+        param_bytes: float,
+        *,
+        layers: int = 1,
+        pipelined: bool = True,
+        share: bool = False,
     ) -> float:
         """Seconds of one step's collectives over a DP group of this size whose slowest link is `link`, for a stage
-        of `layers` layers holding `param_bytes`."""
+        of `layers` layers holding `param_bytes`; `share`: what part of a stage these add at least (linear in them,
+        replicas' buckets counted in fractions), so shares of a stage's parts sum to at most its sync."""
         n = group_size
         if n == 1:
             return 0.0
@@ -212,7 +220,8 @@ class CostModel:
         if self.sharding is Sharding.fsdp:
             passes = sync_passes(self.sharding, self.backend, pipelined=pipelined)
             return seconds + passes * (n - 1) * layers * self.machine.latency_s
-        collectives = math.ceil(param_bytes / BUCKET_BYTES) if pipelined else layers
+        buckets = param_bytes / BUCKET_BYTES if share else math.ceil(param_bytes / BUCKET_BYTES)
+        collectives = buckets if pipelined else layers
         return seconds + collectives * 2 * (n - 1) * self.machine.latency_s
 
     def exposed_sync_s(self, sync_s: float, compute_s: float, *, pipelined: bool = False) -> float:
