@@ -7,6 +7,7 @@ permutations, not the planner's symmetry-reduced list), every DP size, micro-bat
 
 import itertools
 import math
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -24,11 +25,13 @@ from holmes_lightning.planner import (
     Sharding,
     best_plan,
     compare_plans,
+    partition,
     simulate,
 )
 from holmes_lightning.planner.candidate import Candidate
 from holmes_lightning.planner.choice import MEMORY_RESOLUTION, STEP_TOLERANCE, checkpointing_choices, cost_model
 from holmes_lightning.planner.cost import CostModel
+from holmes_lightning.planner.cuts import CriticalPaths, PathTables, critical_path
 from holmes_lightning.planner.layout import StageHardware, dp_degrees, holmes_layout
 from holmes_lightning.planner.partition import PartitionStats, search_partition
 from holmes_lightning.planner.report import format_comparison
@@ -231,6 +234,32 @@ def test_the_split_search_finds_the_best_of_every_split(topology, model, schedul
     assert found is not None
     assert found[1] == pytest.approx(min(fitting)[0], rel=1e-9)
     assert candidate.step_s(found[0]) == found[1]
+    if pp * chunks > 1:  # bounded by critical paths from the first partial split on, seeded by other splits'
+        paths = CriticalPaths()
+        for split in data.draw(st.lists(st.sampled_from([split for _, split in steps]), max_size=3)):
+            paths.add(critical_path(candidate, split))
+        with mock.patch.object(partition, "PATHS_AFTER", 0):
+            by_paths = search_partition(candidate, math.inf, PartitionStats(), paths=paths)
+        assert by_paths is not None and by_paths[1] == pytest.approx(found[1], rel=1e-9)
+        least: dict[tuple[int, ...], float] = {}  # per leading counts: the least step of the splits that have them
+        for step, split in fitting:
+            for v in range(1, len(split) + 1):
+                least[split[:v]] = min(step, least.get(split[:v], math.inf))
+        tables = PathTables(candidate, paths)
+        for lead, step in least.items():
+            stops = list(itertools.accumulate(lead, initial=0))
+            ranges = list(itertools.pairwise(stops))
+            bound = tables.children_s(ranges[:-1], len(lead) - 1, stops[-2], [stops[-1]])
+            assert bound is None or bound[0] <= step * (1 + 1e-9)
+        for _, split in fitting[:3]:  # a stage's tail: at least the closing collective and its chunks' shares
+            ranges = candidate.bounds_of(split)
+            for s, own in enumerate(candidate.own):
+                params = sum(candidate.param_bytes(*ranges[v]) for v in own)
+                tail = candidate.tail_s(s, params, sum(b - a for a, b in (ranges[v] for v in own)), 0.0)
+                shares = candidate.closing_s + sum(candidate.tail_share_s(s, *ranges[v]) for v in own)
+                assert shares <= tail * (1 + 1e-9)
+                if cost.sharding is Sharding.fsdp:
+                    assert shares == pytest.approx(tail, rel=1e-9)
     balanced = balanced_partition(candidate)  # the first incumbent's start: any whole split, improved by descending
     assert len(balanced) == pp * chunks and min(balanced) >= 1 and sum(balanced) == model.num_layers
     start = candidate.step_s(balanced)
@@ -348,7 +377,7 @@ def test_a_cluster_less_any_of_its_nodes_plans_or_is_refused_with_a_reason(topol
 
 def test_a_reporting_search_says_how_it_goes_and_plans_the_same():
     topology = Topology.from_config("paper_4ib_4roce")
-    profile = ModelProfile.from_gpt(ModelConfig(name="deep", n_layers=12, d_model=512, n_heads=8, seq_len=256))
+    profile = ModelProfile.from_gpt(ModelConfig(name="deep", n_layers=16, d_model=512, n_heads=8, seq_len=256))
     options, batch = PlanOptions(schedule=Schedule.Interleaved1F1B), BatchSettings(64)
     lines: list[str] = []
     stats = SearchStats.reporting(lines.append, every_s=0.0)

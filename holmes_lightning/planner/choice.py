@@ -9,6 +9,7 @@ from dataclasses import replace
 from holmes_lightning.planner.bounds import SuffixBounds
 from holmes_lightning.planner.candidate import GB, Candidate, RangeCosts, predict_step
 from holmes_lightning.planner.cost import CostModel, MachineCosts, sync_bytes
+from holmes_lightning.planner.cuts import CriticalPaths
 from holmes_lightning.planner.layout import (
     Layout,
     StageHardware,
@@ -131,13 +132,16 @@ def best_plan(
 
     lower: dict[tuple[int, ...], float] = {}
     tables: dict[tuple[int, ...], SuffixBounds] = {}
-    fastest = search(candidates(None), fixed, stats, infeasible, lower=lower, slack=STEP_TOLERANCE, tables=tables)
+    paths: dict[tuple, CriticalPaths] = {}
+    fastest = search(
+        candidates(None), fixed, stats, infeasible, lower=lower, slack=STEP_TOLERANCE, tables=tables, paths=paths
+    )
     if fastest is None:
         reasons = "\n  ".join(dict.fromkeys(problems)) or "no layout fits"
         raise PlanError(f"no feasible plan for {topology.name!r} and {profile.name!r}:\n  {reasons}")
     slowest = fastest.step_s * (1 + STEP_TOLERANCE)
     chosen = _least_memory(
-        fastest, lambda ceiling: candidates(ceiling, lambda p: lower[p] < slowest), fixed, stats, tables
+        fastest, lambda ceiling: candidates(ceiling, lambda p: lower[p] < slowest), fixed, stats, tables, paths
     )
     more = () if chosen is fastest else (_memory_note(chosen, fastest),)
     return _as_plan(chosen.candidate, chosen.counts, options, bound, more)
@@ -186,12 +190,13 @@ def _least_memory(
     fixed: Callable[[Candidate], tuple[int, ...] | None],
     stats: SearchStats,
     tables: dict[tuple[int, ...], SuffixBounds],
+    paths: dict[tuple, CriticalPaths],
 ) -> Found:
     """Of the plans predicted within `STEP_TOLERANCE` of `fastest`, one taking the least peak memory per device (to
     `MEMORY_RESOLUTION` of `fastest`'s): a bisection on a memory ceiling, each step a search for any plan under that
     ceiling and step.
     `candidates(ceiling)`: those that may have a plan that fast (their bound from the first search says so);
-    `tables`: the first search's suffix tables, per preference.
+    `tables`: the first search's suffix tables, per preference; `paths`: its critical paths, per schedule order.
 
     The ceiling never turns on more activation checkpointing than the memory limit needs; it only rules plans out.
     """
@@ -202,7 +207,9 @@ def _least_memory(
         stats.memory_searches += 1
         middle = (low + high) / 2
         apart = SearchStats.reporting(stats.partitions.report, stats.partitions.report_every_s)  # counted apart
-        found = search(candidates(middle), fixed, apart, lambda *_: None, ceiling=slowest, first=True, tables=tables)
+        found = search(
+            candidates(middle), fixed, apart, lambda *_: None, ceiling=slowest, first=True, tables=tables, paths=paths
+        )
         if found is None:
             low = middle
         else:

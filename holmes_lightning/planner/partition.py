@@ -11,7 +11,10 @@ Virtual stages are assigned layers front to back. A partial split's lower bound 
   stages that still get some (`bounds.water_level_s`);
 - per assigned virtual stage, when its last forward ends at least (after the previous virtual stage's, and after
   the link carried the m - 1 before it one at a time), then the backwards after it in its order and its drain;
-- the suffix tables' bound for the layers left (`bounds.SuffixBounds`).
+- the suffix tables' bound for the layers left (`bounds.SuffixBounds`);
+- once a search has run long (`PATHS_AFTER` partial splits), per critical path of a split simulated so far (in this
+  search or another of the same schedule order, `cuts`), its length over the virtual stages placed plus the least
+  any ranges of the layers left give it: the queueing between stages the other bounds miss.
 
 A virtual stage's backward is costed at the checkpointing its stage needs for the chunks assigned so far
 (`Candidate.level`); later chunks can only raise that level, so the bounds hold, and a finished split with several
@@ -37,10 +40,13 @@ from dataclasses import dataclass, field
 
 from holmes_lightning.planner.bounds import ROUNDING, SuffixBounds, one_chunk_path_s, stage_path_s, water_level_s
 from holmes_lightning.planner.candidate import Candidate
+from holmes_lightning.planner.cuts import CriticalPaths, PathTables, critical_path
 
 REBUILD = 0.98  # rebuild the suffix tables for a search once the bar fell below this share of theirs
 DESCENTS = 3  # cycles down to this many virtual stages below one count in its path bound
 PROGRESS_NODES = 1024  # partial splits between checks whether a progress report is due
+PATHS_AFTER = 2000  # partial splits a search visits before it bounds by critical paths (`cuts`) too
+PATHS_TRIAL, PATHS_USEFUL = 2000, 0.25  # critical paths stay if in a trial they cut this many children a call
 
 
 @dataclass
@@ -171,19 +177,34 @@ def search_partition(
     tables: SuffixBounds | None = None,
     *,
     first: bool = False,
+    paths: CriticalPaths | None = None,
 ) -> tuple[tuple[int, ...], float] | None:
     """The split with the least simulated step below `bar`, and that step (None: no split gets below `bar`);
-    `first`: the first split found below `bar` instead."""
+    `first`: the first split found below `bar` instead; `paths`: critical paths of the candidate's schedule order
+    found so far, to bound by (`cuts`) and to add those of the splits simulated to."""
     if tables is None or bar < tables.bar * REBUILD:
         tables = suffix_bounds(candidate, bar)
-    search = _Search(candidate, tables, stats, bar, first)
+    sharing = candidate.sharing
+    if candidate.virtual == 1 or (sharing is not None and sharing.contended(candidate.layout.pp)):
+        paths = None  # one stage has no path to bound; shared cores stretch actions beyond what a path counts
+    search = _Search(candidate, tables, stats, bar, first, paths)
     search.extend(_Path(), 0, 0.0)
     return search.best
 
 
 class _Search:
-    def __init__(self, candidate: Candidate, tables: SuffixBounds, stats: PartitionStats, bar: float, first: bool):
+    def __init__(
+        self,
+        candidate: Candidate,
+        tables: SuffixBounds,
+        stats: PartitionStats,
+        bar: float,
+        first: bool,
+        paths: CriticalPaths | None,
+    ):
         self.candidate, self.tables, self.stats, self.bar, self.first = candidate, tables, stats, bar, first
+        self.paths, self.cuts, self.began = paths, None, stats.nodes  # `cuts`: built once the search runs long
+        self.tried_paths = self.cut_by_paths = 0
         self.best: tuple[tuple[int, ...], float] | None = None
         self.pp, self.chunks, self.virtual = candidate.layout.pp, candidate.chunks, candidate.virtual
         self.m, self.layers = candidate.microbatches, candidate.num_layers
@@ -220,6 +241,8 @@ class _Search:
                 self.stats.cut += len(stops) - (stop - stops.start)
                 break
             children.append(self._child(path, v, start, stop, bound, costs))
+        if children and self.paths is not None:
+            self._bound_by_paths(path, v, start, children)
         children.sort(key=lambda child: child.bound)
         for tried, child in enumerate(children):
             if child.bound * (1 - ROUNDING) >= self.bar:
@@ -238,6 +261,25 @@ class _Search:
             child.pop(path)
             if self.first and self.best is not None:
                 return
+
+    def _bound_by_paths(self, path: _Path, v: int, start: int, children: list[_Child]) -> None:
+        """Raise the children's bounds to the critical paths' (`cuts`) from `PATHS_AFTER` partial splits on; after
+        `PATHS_TRIAL` calls, only if they cut `PATHS_USEFUL` children a call that nothing else would."""
+        if self.cuts is None:
+            if self.stats.nodes - self.began < PATHS_AFTER:
+                return
+            self.cuts = PathTables.of(self.candidate, self.paths)
+        stops = [child.stop for child in children]
+        by_paths = self.cuts.children_s([(path.start(u), path.stops[u]) for u in range(v)], v, start, stops)
+        if by_paths is None:
+            return
+        self.tried_paths += 1
+        for child, cut in zip(children, by_paths.tolist(), strict=True):
+            if cut * (1 - ROUNDING) >= self.bar > child.bound * (1 - ROUNDING):
+                self.cut_by_paths += 1
+            child.bound = max(child.bound, cut)
+        if self.tried_paths == PATHS_TRIAL and self.cut_by_paths < PATHS_USEFUL * PATHS_TRIAL:
+            self.paths = self.cuts = None
 
     def _describe(self) -> str:
         best = "none yet" if self.bar == math.inf else f"{self.bar:.4g} s"
@@ -397,6 +439,8 @@ class _Search:
                 backward, weight = [b + w for b, w in zip(backward, path.weight, strict=True)], path.weight
             step = c.replay.step_s(path.forward, backward, path.send, tails, c.sharing, early, c.buffered, weight)
         self.stats.simulated += 1
+        if self.cuts is not None and self.paths is not None and step is not None:  # a long search's leaves
+            self.paths.add(critical_path(c, counts))
         if step is not None and step < self.bar:
             self.best = (counts, step)
             self.bar = step * (1 - 1e-9)

@@ -20,6 +20,7 @@ from functools import partial
 
 from holmes_lightning.planner.bounds import SuffixBounds, water_level_s
 from holmes_lightning.planner.candidate import Candidate
+from holmes_lightning.planner.cuts import CriticalPaths, critical_path, path_key
 from holmes_lightning.planner.partition import (
     ROUNDING,
     PartitionStats,
@@ -92,6 +93,7 @@ def search(
     slack: float = 0.0,
     first: bool = False,
     tables: dict[tuple[int, ...], SuffixBounds] | None = None,
+    paths: dict[tuple, CriticalPaths] | None = None,
 ) -> Found | None:
     """The best (candidate, split) of `candidates` (preference, candidate) with a step under `ceiling`; `fixed`: the
     requested split, if any.
@@ -101,7 +103,9 @@ def search(
     `slack` (a share) of the best plan's step; the tables are built that much looser to give it. `first`: any plan
     under `ceiling` will do, the first one found. `tables`: per preference, suffix tables to reuse where built for a
     bar no lower, and to fill with those of candidates without a memory ceiling (a ceiling only rules splits out, so
-    those bound the same candidate under any ceiling; not the other way round).
+    those bound the same candidate under any ceiling; not the other way round). `paths`: per schedule order
+    (`cuts.path_key`), the critical paths of the splits simulated, to bound splits by and to add to (a split's
+    critical path bounds any split under any ceiling).
     """
     stats.candidates += len(candidates)
     best: Found | None = None
@@ -163,6 +167,9 @@ def search(
             stats.cut_tables += 1
             continue
         survivors.append((root, preference, candidate, kept))
+    paths = {} if paths is None else paths
+    if best is not None:
+        paths.setdefault(path_key(best.candidate), CriticalPaths()).add(critical_path(best.candidate, best.counts))
     for root, preference, candidate, kept in sorted(survivors, key=lambda entry: entry[:2]):
         bar = best.bar(preference) if best else ceiling
         if root * (1 - ROUNDING) >= bar:
@@ -170,7 +177,14 @@ def search(
             continue
         stats.searched += 1
         stats.partitions.progress(partial(_next_search, candidate, best))
-        found = search_partition(candidate, bar, stats.partitions, kept, first=first)
+        found = search_partition(
+            candidate,
+            bar,
+            stats.partitions,
+            kept,
+            first=first,
+            paths=paths.setdefault(path_key(candidate), CriticalPaths()),
+        )
         if found is not None:
             offer(preference, candidate, *found)
             if first:

@@ -1,0 +1,183 @@
+"""Lower bounds from simulated critical paths, for the partition search.
+
+Which action of a step waits for which depends on the schedule, not on the split, so the critical path of one
+simulated split (`simulate.CriticalPath`) is a chain of waits every split of that schedule has. Its length is linear in
+the virtual stages' seconds (forward, input pass, weight pass, transfer, transfer less its early part), so for a
+partial split it is at least its length over the virtual stages placed plus the least length any ranges of the layers
+left give it over the rest: a shortest path over those ranges, kept per path, virtual stage and first layer
+(`PathTables`). Its tail counts where its stage is complete. Every split the search simulates lends its critical path
+to the bounds of the splits after it (`CriticalPaths`), so a split that waits the way one already simulated waited is
+cut once that chain alone reaches the step to beat: the queueing between stages that the path bounds of `bounds` miss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from holmes_lightning.planner.candidate import Candidate
+from holmes_lightning.planner.simulate import CriticalPath
+
+TERMS = 6  # per virtual stage: forward, input pass, weight pass, transfer, transfer less its early part, tail share
+MOST_PATHS = 256  # critical paths kept per schedule order
+
+
+@dataclass
+class CriticalPaths:
+    """The distinct critical paths found for one schedule order (one `Replay` and backend), at most `MOST_PATHS`:
+    then a new one takes the place of the one that gave the largest bound to the fewest children (`used`, which
+    halves at every such replacement, so the paths of a search's current region stay)."""
+
+    found: list[CriticalPath] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # per place: how many times its path was replaced
+    used: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    seen: set[CriticalPath] = field(default_factory=set)
+    revision: int = 0  # paths added so far
+
+    def add(self, path: CriticalPath) -> None:
+        if path in self.seen:
+            return
+        self.seen.add(path)
+        self.revision += 1
+        if len(self.found) < MOST_PATHS:
+            self.found.append(path)
+            self.versions.append(0)
+            self.used = np.append(self.used, 0.0)
+            return
+        place = int(self.used.argmin())
+        self.seen.discard(self.found[place])
+        self.found[place] = path
+        self.versions[place] += 1
+        self.used /= 2
+        self.used[place] = self.used.mean()
+
+
+def path_key(candidate: Candidate) -> tuple:
+    """What a candidate's critical paths depend on: its schedule's order and whether sends are buffered."""
+    return candidate.schedule, candidate.layout.pp, candidate.microbatches, candidate.chunks, candidate.buffered
+
+
+def critical_path(candidate: Candidate, counts: tuple[int, ...]) -> CriticalPath:
+    """The critical path of layers per virtual stage `counts`, at each stage's checkpointing level (ranks on cores of
+    their own; memory limits aside)."""
+    c, ranges = candidate, candidate.bounds_of(counts)
+    levels = [0 if entry is None else entry[0] for entry in c.stage_levels(counts)]
+    stage_of = [stage for stage, _ in c.located]
+    forward = [c.forward_s(stage_of[v], a, b) for v, (a, b) in enumerate(ranges)]
+    weight = [c.weight_s(stage_of[v], a, b) for v, (a, b) in enumerate(ranges)]
+    backward = [c.backward_s(stage_of[v], a, b, levels[stage_of[v]]) for v, (a, b) in enumerate(ranges)]
+    tails = []
+    for s, own in enumerate(c.own):
+        params = sum(c.param_bytes(*ranges[k]) for k in own)
+        layers = sum(b - a for a, b in (ranges[k] for k in own))
+        tails.append(c.tail_s(s, params, layers, sum(forward[k] + backward[k] for k in own)))
+    send = [c.send_s(v, b) for v, (_, b) in enumerate(ranges)]
+    early = [c.early_s(v, b) for v, (_, b) in enumerate(ranges)]
+    return c.replay.critical_path(forward, backward, send, tails, early, c.buffered, weight if c.splits else None)
+
+
+class PathTables:
+    """One candidate's bounds from `paths`: per path and virtual stage v, the least length over virtual stages
+    v, v + 1, ... of any ranges of layers [start, L) (`least[path, v, start]`), each range at its stage's
+    cheapest checkpointing level that fits (later chunks can only raise it). A path's tail counts as the pipeline's
+    closing collective plus the shares of its stage's chunks (`Candidate.tail_share_s`), at most the tail."""
+
+    @classmethod
+    def of(cls, candidate: Candidate, paths: CriticalPaths) -> PathTables:
+        """The tables of `paths` for the candidate's ranges, kept in its `RangeCosts` for later searches of a
+        candidate with the same ranges (another memory ceiling: the tables do not depend on it)."""
+        key = (tuple(candidate.range_kind(v) for v in range(candidate.virtual)), path_key(candidate))
+        kept = candidate.range_costs.terms
+        if key not in kept or kept[key].paths is not paths:
+            kept[key] = cls(candidate, paths)
+        return kept[key]
+
+    def __init__(self, candidate: Candidate, paths: CriticalPaths):
+        self.candidate, self.paths, self.versions, self.revision = candidate, paths, [], -1
+        c, virtual, layers = candidate, candidate.virtual, candidate.num_layers
+        self.terms = np.zeros((virtual, layers + 1, layers + 1, TERMS))
+        self.invalid = np.full((virtual, layers + 1, layers + 1), np.inf)
+        for v in range(virtual):
+            later = virtual - 1 - v
+            terms, invalid = _range_terms(c, v)
+            window = (slice(v, layers - later), slice(v + 1 if later else layers, layers - later + 1))
+            self.terms[v][window], self.invalid[v][window] = terms[window], invalid[window]
+        self.coef = np.zeros((0, virtual, TERMS))
+        self.least = np.zeros((0, virtual + 1, layers + 1))
+        self.placed: list[tuple[int, int]] = []  # the ranges `prefix` holds: prefix[d], the paths' lengths over d
+        self.prefix: list[np.ndarray] = []
+        self.sync()
+
+    def sync(self) -> None:
+        """Take in the paths found, or put in a place, since the last call."""
+        if self.revision == self.paths.revision:
+            return
+        self.revision = self.paths.revision
+        found, versions = self.paths.found, self.paths.versions
+        changed = [i for i in range(len(self.versions)) if self.versions[i] != versions[i]]
+        changed += range(len(self.versions), len(found))
+        if not changed:
+            return
+        stages = [stage for stage, _ in self.candidate.located]
+        virtual, size = self.terms.shape[0], self.terms.shape[1]
+        coef = np.array(
+            [
+                [p.forward, p.gradient, p.weight, p.send, p.late, [float(s == p.stage) for s in stages]]
+                for p in (found[i] for i in changed)
+            ],
+            dtype=float,
+        ).transpose(0, 2, 1)  # (paths, virtual, terms)
+        least = np.full((len(changed), virtual + 1, size), np.inf)
+        least[:, virtual, size - 1] = 0.0
+        lengths = np.einsum("vabj,pvj->pvab", self.terms, coef) + self.invalid
+        for v in range(virtual - 1, -1, -1):
+            least[:, v] = (lengths[:, v] + least[:, v + 1, None, :]).min(axis=2)
+        grown = len(found) - len(self.versions)
+        if grown:
+            self.coef = np.concatenate([self.coef, np.zeros((grown, *self.coef.shape[1:]))])
+            self.least = np.concatenate([self.least, np.zeros((grown, *self.least.shape[1:]))])
+        self.coef[changed], self.least[changed] = coef, least
+        self.versions = list(versions)
+        self.placed, self.prefix = [], [np.full(len(found), self.candidate.closing_s)]
+
+    def children_s(self, ranges: list[tuple[int, int]], v: int, start: int, stops: list[int]) -> np.ndarray | None:
+        """Per stop: a bound on every split that gives the virtual stages before v `ranges` and virtual stage v
+        layers [start, stop) (None: no paths yet)."""
+        self.sync()
+        if not self.versions:
+            return None
+        coef, terms, placed, prefix = self.coef, self.terms, self.placed, self.prefix
+        kept = 0  # the ranges placed last time that these share, then the lengths over the rest
+        while kept < min(v, len(placed)) and placed[kept] == ranges[kept]:
+            kept += 1
+        del placed[kept:], prefix[kept + 1 :]
+        for u in range(kept, v):
+            placed.append(ranges[u])
+            prefix.append(prefix[u] + coef[:, u] @ terms[u, ranges[u][0], ranges[u][1]])
+        bounds = prefix[v][:, None] + coef[:, v] @ terms[v, start, stops].T + self.least[:, v + 1, stops]
+        if len(self.versions) >= MOST_PATHS:  # which paths bound, for the pool to keep them
+            self.paths.used += np.bincount(bounds.argmax(axis=0), minlength=len(self.versions))
+        return bounds.max(axis=0)
+
+
+def _range_terms(candidate: Candidate, v: int) -> tuple[np.ndarray, np.ndarray]:
+    """`TERMS` seconds of every layer range on virtual stage v, and inf where the range alone fits no memory level
+    (kept in the candidate's `RangeCosts` per `Candidate.range_kind`, which candidates of one cost model share)."""
+    c, layers = candidate, candidate.num_layers
+    kind, kept = c.range_kind(v), c.range_costs.terms
+    if kind not in kept:
+        stage = c.located[v][0]
+        terms = np.zeros((layers + 1, layers + 1, TERMS))
+        invalid = np.full((layers + 1, layers + 1), np.inf)
+        for start in range(layers):
+            for stop in range(start + 1, layers + 1):
+                costs = c.least_range_cost(v, start, stop)
+                if costs is None:
+                    break  # and more so with more layers
+                forward, gradient, send, _, weight = costs
+                late, share = send - c.early_s(v, stop), c.tail_share_s(stage, start, stop)
+                terms[start, stop] = (forward, gradient, weight, send, late, share)
+                invalid[start, stop] = 0.0
+        kept[kind] = (terms, invalid)
+    return kept[kind]
