@@ -5,9 +5,11 @@ simulated split (`simulate.CriticalPath`) is a chain of waits every split of tha
 the virtual stages' seconds (forward, input pass, weight pass, transfer, transfer less its early part), so for a
 partial split it is at least its length over the virtual stages placed plus the least length any ranges of the layers
 left give it over the rest: a shortest path over those ranges, kept per path, virtual stage and first layer
-(`PathTables`). Its tail counts where its stage is complete. Every split the search simulates lends its critical path
-to the bounds of the splits after it (`CriticalPaths`), so a split that waits the way one already simulated waited is
-cut once that chain alone reaches the step to beat: the queueing between stages that the path bounds of `bounds` miss.
+(`PathTables`). Its tail counts as the pipeline's closing collective plus shares of the stage's chunks that sum to
+at most the tail (`Candidate.tail_share_s`). Every split a long search simulates lends its critical path to the
+bounds of the splits after it (`CriticalPaths`, shared by the searches of one plan), so a split that waits the way
+one already simulated waited is cut once that chain alone reaches the step to beat: the queueing between stages
+that the path bounds of `bounds` miss.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ REBUILD = 0.98  # rebuild the suffix tables for a search once the bar fell below
 DESCENTS = 3  # cycles down to this many virtual stages below one count in its path bound
 PROGRESS_NODES = 1024  # partial splits between checks whether a progress report is due
 PATHS_AFTER = 2000  # partial splits a search visits before it bounds by critical paths (`cuts`) too
-PATHS_TRIAL, PATHS_USEFUL = 2000, 0.25  # critical paths stay if in a trial they cut this many children a call
+PATHS_TRIAL, PATHS_USEFUL = 2000, 0.1  # a search for any split keeps them if they cut this many children a call
 
 
 @dataclass
@@ -204,7 +204,7 @@ class _Search:
     ):
         self.candidate, self.tables, self.stats, self.bar, self.first = candidate, tables, stats, bar, first
         self.paths, self.cuts, self.began = paths, None, stats.nodes  # `cuts`: built once the search runs long
-        self.tried_paths = self.cut_by_paths = 0
+        self.tried_paths = self.cut_by_paths = 0  # calls to `cuts`, and children they alone cut
         self.best: tuple[tuple[int, ...], float] | None = None
         self.pp, self.chunks, self.virtual = candidate.layout.pp, candidate.chunks, candidate.virtual
         self.m, self.layers = candidate.microbatches, candidate.num_layers
@@ -263,8 +263,9 @@ class _Search:
                 return
 
     def _bound_by_paths(self, path: _Path, v: int, start: int, children: list[_Child]) -> None:
-        """Raise the children's bounds to the critical paths' (`cuts`) from `PATHS_AFTER` partial splits on; after
-        `PATHS_TRIAL` calls, only if they cut `PATHS_USEFUL` children a call that nothing else would."""
+        """Raise the children's bounds to the critical paths' (`cuts`) from `PATHS_AFTER` partial splits on. A search
+        for any split under the bar (`first`: the least-memory pass, whose bar does not fall) drops them if in its
+        first `PATHS_TRIAL` calls they cut fewer than `PATHS_USEFUL` children a call that nothing else would."""
         if self.cuts is None:
             if self.stats.nodes - self.began < PATHS_AFTER:
                 return
@@ -278,7 +279,7 @@ class _Search:
             if cut * (1 - ROUNDING) >= self.bar > child.bound * (1 - ROUNDING):
                 self.cut_by_paths += 1
             child.bound = max(child.bound, cut)
-        if self.tried_paths == PATHS_TRIAL and self.cut_by_paths < PATHS_USEFUL * PATHS_TRIAL:
+        if self.first and self.tried_paths == PATHS_TRIAL and self.cut_by_paths < PATHS_USEFUL * PATHS_TRIAL:
             self.paths = self.cuts = None
 
     def _describe(self) -> str:
