@@ -341,6 +341,12 @@ class Candidate:
     def step_s(self, counts: Sequence[int]) -> float | None:
         """The simulated step of layers per virtual stage `counts` (None: a stage exceeds the memory limit or
         ceiling)."""
+        seconds = self.replay_seconds(counts)
+        return None if seconds is None else self.replay.step_s(*seconds[:4], self.sharing, *seconds[4:])
+
+    def replay_seconds(self, counts: Sequence[int]) -> tuple | None:
+        """What `Replay.step_s` takes of layers per virtual stage `counts` besides the core sharing: forward,
+        backward, send, tail, early, buffered and weight (None: a stage exceeds the memory limit or ceiling)."""
         pp = self.layout.pp
         found = self.stage_levels(counts)
         if any(entry is None or not self._under_ceiling(entry[1]) for entry in found):
@@ -362,7 +368,7 @@ class Candidate:
             tails.append(self.tail_s(s, params, layers, sum(forward[k] + backward[k] for k in own)))
         early = [self.early_s(v, b) for v, (_, b) in enumerate(ranges)]
         weight = [self.weight_s(stage_of[v], a, b) for v, (a, b) in enumerate(ranges)] if self.splits else None
-        return self.replay.step_s(forward, backward, send, tails, self.sharing, early, self.buffered, weight)
+        return forward, backward, send, tails, early, self.buffered, weight
 
     def stage_plans(self, counts: Sequence[int]) -> list[StagePlan]:
         """Exact per-chunk seconds, transfers, syncs and memory for layers per virtual stage `counts`."""

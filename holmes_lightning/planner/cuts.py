@@ -37,8 +37,9 @@ class CriticalPaths:
     seen: set[CriticalPath] = field(default_factory=set)
     revision: int = 0  # paths added so far
 
-    def add(self, path: CriticalPath) -> None:
-        if path in self.seen:
+    def add(self, path: CriticalPath | None) -> None:
+        """Keep `path` (None, a split that does not fit: nothing)."""
+        if path is None or path in self.seen:
             return
         self.seen.add(path)
         self.revision += 1
@@ -60,23 +61,11 @@ def path_key(candidate: Candidate) -> tuple:
     return candidate.schedule, candidate.layout.pp, candidate.microbatches, candidate.chunks, candidate.buffered
 
 
-def critical_path(candidate: Candidate, counts: tuple[int, ...]) -> CriticalPath:
-    """The critical path of layers per virtual stage `counts`, at each stage's checkpointing level (ranks on cores of
-    their own; memory limits aside)."""
-    c, ranges = candidate, candidate.bounds_of(counts)
-    levels = [0 if entry is None else entry[0] for entry in c.stage_levels(counts)]
-    stage_of = [stage for stage, _ in c.located]
-    forward = [c.forward_s(stage_of[v], a, b) for v, (a, b) in enumerate(ranges)]
-    weight = [c.weight_s(stage_of[v], a, b) for v, (a, b) in enumerate(ranges)]
-    backward = [c.backward_s(stage_of[v], a, b, levels[stage_of[v]]) for v, (a, b) in enumerate(ranges)]
-    tails = []
-    for s, own in enumerate(c.own):
-        params = sum(c.param_bytes(*ranges[k]) for k in own)
-        layers = sum(b - a for a, b in (ranges[k] for k in own))
-        tails.append(c.tail_s(s, params, layers, sum(forward[k] + backward[k] for k in own)))
-    send = [c.send_s(v, b) for v, (_, b) in enumerate(ranges)]
-    early = [c.early_s(v, b) for v, (_, b) in enumerate(ranges)]
-    return c.replay.critical_path(forward, backward, send, tails, early, c.buffered, weight if c.splits else None)
+def critical_path(candidate: Candidate, counts: tuple[int, ...]) -> CriticalPath | None:
+    """The critical path of layers per virtual stage `counts`, ranks on cores of their own (None: they do not fit the
+    candidate's memory)."""
+    seconds = candidate.replay_seconds(counts)
+    return None if seconds is None else candidate.replay.critical_path(*seconds)
 
 
 class PathTables:
