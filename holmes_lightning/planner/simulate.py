@@ -28,7 +28,8 @@ all-reduce of the loss), then its optimizer step; the step ends when the last st
 
 Which action waits for which does not depend on the durations, so a `Replay` lists the actions once, in an order
 where each comes after what it waits for; timing a step is then one pass over that list (the planner times many
-partitions of one schedule).
+partitions of one schedule). For the same reason the chain of waits that set one step (`Replay.critical_path`) is a
+chain every split of the schedule has: the partition search bounds other splits by it (`cuts`).
 """
 
 from __future__ import annotations
@@ -379,7 +380,6 @@ class Replay:
         before, waiting_after, link_before, through_by, last = self._predecessors
         virtual, n = self.virtual, self.pp * self.chunks
         counts = {kind: [0] * n for kind in ("forward", "gradient", "weight", "send", "late")}
-
         moments = {"posted": posted, "through": through, "arrival": arrival, "end": ends}
 
         def at(kind: str, i: int) -> float:
@@ -454,6 +454,8 @@ class Replay:
 
 
 class _Moments(NamedTuple):
+    """Per action of a replayed step: when it posted its send, when that send was through, when its input arrived."""
+
     posted: list[float]
     through: list[float]
     arrival: list[float]
