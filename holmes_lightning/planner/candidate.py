@@ -26,7 +26,7 @@ class RangeCosts:
 
     ids: dict[tuple, int] = field(default_factory=dict)
     values: dict[tuple, tuple[tuple[float, float, float, float, float], float] | None] = field(default_factory=dict)
-    terms: dict[tuple, object] = field(default_factory=dict)  # what `cuts` keeps of the ranges, per `range_kind`
+    terms: dict[tuple, object] = field(default_factory=dict)  # `cuts`: ranges per `range_kind`, tables per candidate
 
     def stage_id(self, stage: tuple) -> int:
         return self.ids.setdefault(stage, len(self.ids))
