@@ -113,6 +113,9 @@ class Candidate:
         self._least_activation = min(self._activation[:-1], default=0.0)  # a stage never ends at the last layer but one
         # the link out of each virtual stage to the next (None: the last sends nothing)
         self._out_links = [self._hop_link(v) for v in range(self.virtual - 1)] + [None]
+        self._range_kinds = [
+            (self._stage_ids[stage], chunk, self._out_links[v]) for v, (stage, chunk) in enumerate(self.located)
+        ]
 
     def _hop_link(self, virtual_stage: int) -> Link | None:
         """The link from a virtual stage to the next: the one between their stages, which links hold in pipeline order
@@ -284,8 +287,7 @@ class Candidate:
 
     def range_kind(self, virtual_stage: int) -> tuple:
         """What a virtual stage's `range_cost` depends on besides its range and the memory ceiling."""
-        stage, chunk = self.located[virtual_stage]
-        return self._stage_ids[stage], chunk, self._out_links[virtual_stage]
+        return self._range_kinds[virtual_stage]
 
     def least_range_cost(
         self, virtual_stage: int, start: int, stop: int
@@ -297,8 +299,7 @@ class Candidate:
     def _kept_range_cost(
         self, virtual_stage: int, start: int, stop: int
     ) -> tuple[tuple[float, float, float, float, float], float] | None:
-        stage, chunk = self.located[virtual_stage]
-        key = (self._stage_ids[stage], chunk, self._out_links[virtual_stage], start, stop)
+        key = (self._range_kinds[virtual_stage], start, stop)
         values = self.range_costs.values
         if key not in values:
             values[key] = self._range_cost(virtual_stage, start, stop)

@@ -108,7 +108,7 @@ class PathTables:
         found, versions = self.paths.found, self.paths.versions
         changed = [i for i in range(len(self.versions)) if self.versions[i] != versions[i]]
         changed += range(len(self.versions), len(found))
-        if not changed:
+        if not changed:  # the pool is empty yet
             return
         stages = [stage for stage, _ in self.candidate.located]
         virtual, size = self.terms.shape[0], self.terms.shape[1]

@@ -440,7 +440,7 @@ class _Search:
                 backward, weight = [b + w for b, w in zip(backward, path.weight, strict=True)], path.weight
             step = c.replay.step_s(path.forward, backward, path.send, tails, c.sharing, early, c.buffered, weight)
         self.stats.simulated += 1
-        if self.cuts is not None and self.paths is not None and step is not None:  # a long search's leaves
+        if self.cuts is not None and step is not None:  # a long search's leaves
             self.paths.add(critical_path(c, counts))
         if step is not None and step < self.bar:
             self.best = (counts, step)
