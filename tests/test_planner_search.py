@@ -234,11 +234,17 @@ def test_the_split_search_finds_the_best_of_every_split(topology, model, schedul
     assert found is not None
     assert found[1] == pytest.approx(min(fitting)[0], rel=1e-9)
     assert candidate.step_s(found[0]) == found[1]
-    if pp * chunks > 1:  # bounded by critical paths from the first partial split on, seeded by other splits'
+    if pp * chunks > 1:  # bounded by critical paths from the first partial split on (the ways left enumerated from
+        # there too, or not), seeded by other splits'
         paths = CriticalPaths()
         for split in data.draw(st.lists(st.sampled_from([split for _, split in steps]), max_size=3)):
             paths.add(critical_path(candidate, split))
-        with mock.patch.object(partition, "PATHS_AFTER", 0):
+        lengths = data.draw(st.sampled_from([partition.MOST_LENGTHS, 40]))  # 40: most enumerations over it
+        with (
+            mock.patch.object(partition, "PATHS_AFTER", 0),
+            mock.patch.object(partition, "WAYS_AFTER", data.draw(st.sampled_from([0, 10**9]))),
+            mock.patch.object(partition, "MOST_LENGTHS", lengths),
+        ):
             by_paths = search_partition(candidate, math.inf, PartitionStats(), paths=paths)
         assert by_paths is not None and by_paths[1] == pytest.approx(found[1], rel=1e-9)
         least: dict[tuple[int, ...], float] = {}  # per leading counts: the least step of the splits that have them
@@ -251,6 +257,15 @@ def test_the_split_search_finds_the_best_of_every_split(topology, model, schedul
             ranges = list(itertools.pairwise(stops))
             bound = tables.children_s(ranges[:-1], len(lead) - 1, stops[-2], [stops[-1]])
             assert bound is None or bound[0] <= step * (1 + 1e-9)
+        for step, split in fitting[:: max(1, len(fitting) // 5)]:  # the ways left keep every split under the bar
+            stops = list(itertools.accumulate(split, initial=0))
+            v = data.draw(st.integers(0, len(split) - 1))
+            ways = tables.completions(list(itertools.pairwise(stops))[:v], v, stops[v], step * (1 + 1e-6), 10**9)
+            if ways is None:  # no paths to enumerate by
+                assert not paths.found
+                break
+            assert tuple(stops[v + 1 :]) in set(map(tuple, ways.tolist()))
+            assert all(list(way) == sorted(set(way)) and way[-1] == model.num_layers for way in ways.tolist())
         for _, split in fitting[:3]:  # a stage's tail: at least the closing collective and its chunks' shares
             ranges = candidate.bounds_of(split)
             for s, own in enumerate(candidate.own):

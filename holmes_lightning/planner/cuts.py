@@ -9,7 +9,9 @@ left give it over the rest: a shortest path over those ranges, kept per path, vi
 at most the tail (`Candidate.tail_share_s`). Every split a long search simulates lends its critical path to the
 bounds of the splits after it (`CriticalPaths`, shared by the searches of one plan), so a split that waits the way
 one already simulated waited is cut once that chain alone reaches the step to beat: the queueing between stages
-that the path bounds of `bounds` miss.
+that the path bounds of `bounds` miss. A partial split with few ways left to go can also have them enumerated, each
+path's length summed along each way (`PathTables.completions`): a way survives only if every path leaves it under
+the bar, which the per-path least over the layers left cannot tell.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from holmes_lightning.planner.bounds import ROUNDING
 from holmes_lightning.planner.candidate import Candidate
 from holmes_lightning.planner.simulate import CriticalPath
 
@@ -138,18 +141,55 @@ class PathTables:
         self.sync()
         if not self.versions:
             return None
+        lengths = self.coef[:, v] @ self.terms[v, start, stops].T  # (paths, stops)
+        bounds = self._placed_s(ranges, v)[:, None] + lengths + self.least[:, v + 1, stops]
+        if len(self.versions) >= MOST_PATHS:  # which paths bound, for the pool to keep them
+            self.paths.used += np.bincount(bounds.argmax(axis=0), minlength=len(self.versions))
+        return bounds.max(axis=0)
+
+    def completions(
+        self, ranges: list[tuple[int, int]], v: int, start: int, bar: float, budget: int
+    ) -> np.ndarray | None:
+        """The stops of virtual stages v, v + 1, ... (one row per way to split layers [start, L) among them) of the
+        splits that give the virtual stages before v `ranges` and that no path takes to `bar`, best first (None: no
+        paths yet, or the ways of some first virtual stages times the paths over `budget`).
+
+        Every such way is enumerated, the paths' lengths summed along it: the max over paths of a whole split's lengths
+        couples them, which `children_s` (each path's least over the layers left on its own) does not."""
+        self.sync()
+        if not self.versions:
+            return None
+        virtual, layers = self.terms.shape[0], self.terms.shape[1] - 1
+        lengths = self._placed_s(ranges, v)[None, :]  # (ways, paths)
+        starts, stops = np.array([start]), np.zeros((1, 0), dtype=int)
+        for u in range(v, virtual):
+            last = layers - (virtual - 1 - u)  # the most layers virtual stage u may end at
+            first = np.full_like(starts, layers) if u == virtual - 1 else starts + 1
+            counts = last - first + 1  # the stops each way so far may take next
+            ways = np.repeat(np.arange(len(starts)), counts)
+            if len(ways) * len(self.versions) > budget:
+                return None
+            ends = np.arange(len(ways)) - np.repeat(np.cumsum(counts) - counts, counts) + np.repeat(first, counts)
+            begins = starts[ways]
+            grown = lengths[ways] + self.terms[u, begins, ends] @ self.coef[:, u].T
+            grown += self.invalid[u, begins, ends][:, None]
+            alive = ((grown + self.least[:, u + 1, ends].T).max(axis=1) * (1 - ROUNDING) < bar).nonzero()[0]
+            lengths, starts = grown[alive], ends[alive]
+            stops = np.concatenate([stops[ways[alive]], starts[:, None]], axis=1)
+        return stops[lengths.max(axis=1).argsort(kind="stable")]
+
+    def _placed_s(self, ranges: list[tuple[int, int]], v: int) -> np.ndarray:
+        """Per path, its length over the virtual stages before v holding `ranges` (kept from the last call's as far
+        as they share ranges)."""
         coef, terms, placed, prefix = self.coef, self.terms, self.placed, self.prefix
-        kept = 0  # the ranges placed last time that these share, then the lengths over the rest
+        kept = 0
         while kept < min(v, len(placed)) and placed[kept] == ranges[kept]:
             kept += 1
         del placed[kept:], prefix[kept + 1 :]
         for u in range(kept, v):
             placed.append(ranges[u])
             prefix.append(prefix[u] + coef[:, u] @ terms[u, ranges[u][0], ranges[u][1]])
-        bounds = prefix[v][:, None] + coef[:, v] @ terms[v, start, stops].T + self.least[:, v + 1, stops]
-        if len(self.versions) >= MOST_PATHS:  # which paths bound, for the pool to keep them
-            self.paths.used += np.bincount(bounds.argmax(axis=0), minlength=len(self.versions))
-        return bounds.max(axis=0)
+        return prefix[v]
 
 
 def _range_terms(candidate: Candidate, v: int) -> tuple[np.ndarray, np.ndarray]:

@@ -16,6 +16,11 @@ Virtual stages are assigned layers front to back. A partial split's lower bound 
   search or another of the same schedule order, `cuts`), its length over the virtual stages placed plus the least
   any ranges of the layers left give it: the queueing between stages the other bounds miss.
 
+Once a search has run longer still (`WAYS_AFTER`), a partial split whose layers left have at most `MOST_WAYS` ways
+to go enumerates them with every path's length summed along each (`PathTables.completions`): only the ways that no
+path takes to `bar` are expanded, the paths coupled (the layers left cannot dodge each path on its own). Before that,
+the best of those ways are simulated (`PROBES`) and their critical paths added, which often leaves none.
+
 A virtual stage's backward is costed at the checkpointing its stage needs for the chunks assigned so far
 (`Candidate.level`); later chunks can only raise that level, so the bounds hold, and a finished split with several
 chunks per stage is simulated at its final levels.
@@ -32,11 +37,14 @@ so does its memory: once a range's stage alone reaches `bar` or the memory limit
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from holmes_lightning.planner.bounds import ROUNDING, SuffixBounds, one_chunk_path_s, stage_path_s, water_level_s
 from holmes_lightning.planner.candidate import Candidate
@@ -47,6 +55,11 @@ DESCENTS = 3  # cycles down to this many virtual stages below one count in its p
 PROGRESS_NODES = 1024  # partial splits between checks whether a progress report is due
 PATHS_AFTER = 2000  # partial splits a search visits before it bounds by critical paths (`cuts`) too
 PATHS_TRIAL, PATHS_USEFUL = 2000, 0.1  # a search for any split keeps them if they cut this many children a call
+WAYS_AFTER = 50_000  # partial splits a search visits before it enumerates the ways left (`_probe`)
+MOST_WAYS = 1_000_000  # splits of the layers left at most, for a search to enumerate them
+MOST_LENGTHS = 4_000_000  # (way, path) lengths one enumeration may hold at once
+RETRY = 64  # after an enumeration over that, the splits left must be this many times fewer to try again
+PROBES = 8  # ways simulated per enumeration, best first, each adding its critical path
 
 
 @dataclass
@@ -215,33 +228,50 @@ class _Search:
         # a range too big stays so with more layers, unless more of them could turn on checkpointing that fits a ceiling
         self.monotone_memory = candidate.memory_ceiling is None or len(candidate.checkpointing) == 1
 
-    def extend(self, path: _Path, v: int, bound: float) -> None:
+    def extend(
+        self, path: _Path, v: int, bound: float, ways: np.ndarray | None = None, most_ways: int = MOST_WAYS
+    ) -> None:
         """Try every layer range for virtual stage `v`, cheapest bound first; the path bounds (the costly ones) are
-        added when a child is about to be expanded."""
+        added when a child is about to be expanded. `ways`: the only stops of virtual stages v, v + 1, ... left
+        (`PathTables.completions`; None: any); `most_ways`: the most splits of the layers left to enumerate."""
         self.stats.nodes += 1
         if self.stats.nodes % PROGRESS_NODES == 0:
             self.stats.progress(self._describe)
         if v == self.virtual:
             self._finish(path)
             return
+        if ways is None and self.cuts is not None and self.stats.nodes - self.began >= WAYS_AFTER:
+            splits = math.comb(self.layers - path.start(v) - 1, self.virtual - 1 - v)
+            if splits <= most_ways:
+                ways = self._probe(path, v, path.start(v))
+                if self.first and self.best is not None:
+                    return
+                if ways is None:  # too many to enumerate: not again until far fewer splits are left
+                    most_ways = splits // RETRY
+        self._expand(path, v, bound, ways, most_ways)
+
+    def _expand(self, path: _Path, v: int, bound: float, ways: np.ndarray | None, most_ways: int) -> None:
+        """`extend`'s children of a partial split that ends before virtual stage v."""
         start, later = path.start(v), self.virtual - 1 - v
         stops = range(self.layers, self.layers + 1) if later == 0 else range(start + 1, self.layers - later + 1)
+        if ways is not None:
+            stops = sorted(set(ways[:, 0].tolist()))
         stage, children = self.candidate.located[v][0], []
         for stop in stops:
             costs = self._costs(path, v, start, stop)
             if costs is None:
                 if self.monotone_memory:  # and more so with more layers
-                    self.stats.too_big += len(stops) - (stop - stops.start)
+                    self.stats.too_big += len(stops) - stops.index(stop)
                     break
                 self.stats.too_big += 1
                 continue
             forward, backward, _, _, weight = costs
             busy = self.m * (path.stage_work[stage][-1] + forward + backward + weight)
             if (path.head[stage] + busy) * (1 - ROUNDING) >= self.bar:  # and more so with more layers
-                self.stats.cut += len(stops) - (stop - stops.start)
+                self.stats.cut += len(stops) - stops.index(stop)
                 break
             children.append(self._child(path, v, start, stop, bound, costs))
-        if children and self.paths is not None:
+        if children and ways is None and self.paths is not None:
             self._bound_by_paths(path, v, start, children)
         children.sort(key=lambda child: child.bound)
         for tried, child in enumerate(children):
@@ -257,10 +287,34 @@ class _Search:
                 self.stats.cut += 1
                 continue
             child.push(path)
-            self.extend(path, v + 1, full)
+            self.extend(path, v + 1, full, None if ways is None else ways[ways[:, 0] == child.stop, 1:], most_ways)
             child.pop(path)
             if self.first and self.best is not None:
                 return
+
+    def _probe(self, path: _Path, v: int, start: int) -> np.ndarray | None:
+        """The ways to split the layers left that no critical path takes to the bar (`PathTables.completions`; None:
+        too many to enumerate), after simulating up to `PROBES` of them, best first, each adding its critical path
+        (and, if faster, becoming the best split)."""
+        ranges = [(path.start(u), path.stops[u]) for u in range(v)]
+        placed = [b - a for a, b in ranges]
+        for _ in range(PROBES):
+            ways = self.cuts.completions(ranges, v, start, self.bar, MOST_LENGTHS)
+            if ways is None or len(ways) == 0:
+                return ways
+            stops = (start, *ways[0].tolist())
+            counts = (*placed, *(b - a for a, b in itertools.pairwise(stops)))
+            self.stats.simulated += 1
+            found = critical_path(self.candidate, counts)
+            if found is None:  # over memory: the plain search says so
+                return ways
+            self.paths.add(found)
+            step = self.candidate.step_s(counts)
+            if step < self.bar:
+                self.best, self.bar = (counts, step), step * (1 - 1e-9)
+                if self.first:
+                    return ways
+        return self.cuts.completions(ranges, v, start, self.bar, MOST_LENGTHS)
 
     def _bound_by_paths(self, path: _Path, v: int, start: int, children: list[_Child]) -> None:
         """Raise the children's bounds to the critical paths' (`cuts`) from `PATHS_AFTER` partial splits on. A search
