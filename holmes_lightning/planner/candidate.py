@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -44,7 +45,8 @@ class Candidate:
     each stage runs the first whose memory fits `memory_limit` (its level). Checkpointed layers keep only their input
     per micro-batch and run their forward again in backward, their stash back in memory meanwhile.
     `memory_ceiling`: bytes per device a stage may take at its level (None: the limit alone); lowering it looks for
-    plans that take less memory without turning on more checkpointing.
+    plans that take less memory without turning on more checkpointing; `least_refused`: the least memory it ruled out
+    so far (every answer so far is the same under any ceiling below it).
     """
 
     layout: Layout
@@ -58,6 +60,7 @@ class Candidate:
     range_costs: RangeCosts = field(default_factory=lambda: RangeCosts())
     checkpointing: tuple[Checkpointing, ...] = (Checkpointing.off,)
     memory_ceiling: float | None = None
+    least_refused: float = field(default=math.inf, init=False)  # the least memory the ceiling ruled out so far
 
     def __post_init__(self) -> None:
         self.schedule = Schedule(self.schedule)
@@ -270,7 +273,10 @@ class Candidate:
         return None
 
     def _under_ceiling(self, memory: float) -> bool:
-        return self.memory_ceiling is None or memory <= self.memory_ceiling
+        if self.memory_ceiling is None or memory <= self.memory_ceiling:
+            return True
+        self.least_refused = min(self.least_refused, memory)
+        return False
 
     def range_cost(self, virtual_stage: int, start: int, stop: int) -> tuple[float, float, float, float, float] | None:
         """(forward, backward, send, tail, weight) seconds of one virtual stage alone; None if it alone exceeds

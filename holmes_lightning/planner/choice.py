@@ -141,7 +141,12 @@ def best_plan(
         raise PlanError(f"no feasible plan for {topology.name!r} and {profile.name!r}:\n  {reasons}")
     slowest = fastest.step_s * (1 + STEP_TOLERANCE)
     chosen = _least_memory(
-        fastest, lambda ceiling: candidates(ceiling, lambda p: lower[p] < slowest), fixed, stats, tables, paths
+        fastest,
+        lambda ceiling, hopeless: candidates(ceiling, lambda p: lower[p] < slowest and ceiling >= hopeless.get(p, 0.0)),
+        fixed,
+        stats,
+        tables,
+        paths,
     )
     more = () if chosen is fastest else (_memory_note(chosen, fastest),)
     return _as_plan(chosen.candidate, chosen.counts, options, bound, more)
@@ -186,7 +191,7 @@ def _best_schedule(
 
 def _least_memory(
     fastest: Found,
-    candidates: Callable[[float | None], list[tuple[tuple[int, ...], Candidate]]],
+    candidates: Callable[[float, dict[tuple[int, ...], float]], list[tuple[tuple[int, ...], Candidate]]],
     fixed: Callable[[Candidate], tuple[int, ...] | None],
     stats: SearchStats,
     tables: dict[tuple[int, ...], SuffixBounds],
@@ -195,7 +200,8 @@ def _least_memory(
     """Of the plans predicted within `STEP_TOLERANCE` of `fastest`, one taking the least peak memory per device (to
     `MEMORY_RESOLUTION` of `fastest`'s): a bisection on a memory ceiling, each step a search for any plan under that
     ceiling and step.
-    `candidates(ceiling)`: those that may have a plan that fast (their bound from the first search says so);
+    `candidates(ceiling, hopeless)`: those that may have a plan that fast (their bound from the first search says so),
+    less those an earlier step found to have none under a ceiling below `hopeless[preference]`;
     `tables`: the first search's suffix tables, per preference; `paths`: its critical paths, per schedule order.
 
     The ceiling never turns on more activation checkpointing than the memory limit needs; it only rules plans out.
@@ -203,12 +209,21 @@ def _least_memory(
     peak = _peak_bytes(fastest)
     slowest = fastest.step_s * (1 + STEP_TOLERANCE)
     chosen, low, high = fastest, 0.0, peak
+    hopeless: dict[tuple[int, ...], float] = {}
     while high - low > MEMORY_RESOLUTION * peak:
         stats.memory_searches += 1
         middle = (low + high) / 2
         apart = SearchStats.reporting(stats.partitions.report, stats.partitions.report_every_s)  # counted apart
         found = search(
-            candidates(middle), fixed, apart, lambda *_: None, ceiling=slowest, first=True, tables=tables, paths=paths
+            candidates(middle, hopeless),
+            fixed,
+            apart,
+            lambda *_: None,
+            ceiling=slowest,
+            first=True,
+            tables=tables,
+            paths=paths,
+            hopeless=hopeless,
         )
         if found is None:
             low = middle

@@ -94,6 +94,7 @@ def search(
     first: bool = False,
     tables: dict[tuple[int, ...], SuffixBounds] | None = None,
     paths: dict[tuple, CriticalPaths] | None = None,
+    hopeless: dict[tuple[int, ...], float] | None = None,
 ) -> Found | None:
     """The best (candidate, split) of `candidates` (preference, candidate) with a step under `ceiling`; `fixed`: the
     requested split, if any.
@@ -105,7 +106,9 @@ def search(
     bar no lower, and to fill with those of candidates without a memory ceiling (a ceiling only rules splits out, so
     those bound the same candidate under any ceiling; not the other way round). `paths`: per schedule order
     (`cuts.path_key`), the critical paths of the splits simulated, to bound splits by and to add to (a split's
-    critical path bounds any split under any ceiling).
+    critical path bounds any split under any ceiling). `hopeless`: gets, per preference of a candidate found to have
+    no split under `ceiling`, the least memory its memory ceiling ruled out: it has none under any ceiling below that
+    either (what the ceiling let through or ruled out stays so).
     """
     stats.candidates += len(candidates)
     best: Found | None = None
@@ -165,6 +168,7 @@ def search(
             infeasible(candidate, None)
         if root * (1 - ROUNDING) >= bar:
             stats.cut_tables += 1
+            _give_up(hopeless, preference, candidate, best)
             continue
         survivors.append((root, preference, candidate, kept))
     paths = {} if paths is None else paths
@@ -185,9 +189,20 @@ def search(
             offer(preference, candidate, *found)
             if first:
                 return best
-        elif bar == math.inf:
-            infeasible(candidate, None)
+        else:
+            _give_up(hopeless, preference, candidate, best)
+            if bar == math.inf:
+                infeasible(candidate, None)
     return best
+
+
+def _give_up(
+    hopeless: dict[tuple[int, ...], float] | None, preference: tuple[int, ...], candidate: Candidate, best: Found | None
+) -> None:
+    """A candidate has no split under the search's bar: if that bar is the search's ceiling (no plan found yet), note
+    in `hopeless` the least memory its ceiling ruled out."""
+    if hopeless is not None and best is None:
+        hopeless[preference] = candidate.least_refused
 
 
 def _next_search(candidate: Candidate, best: Found | None) -> str:
