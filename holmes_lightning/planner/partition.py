@@ -194,12 +194,15 @@ def search_partition(
 ) -> tuple[tuple[int, ...], float] | None:
     """The split with the least simulated step below `bar`, and that step (None: no split gets below `bar`);
     `first`: the first split found below `bar` instead; `paths`: critical paths of the candidate's schedule order
-    found so far, to bound by (`cuts`) and to add those of the splits simulated to."""
+    found so far, to bound by (`cuts`; an empty pool gets the uniform split's) and to add those of the splits
+    simulated to."""
     if tables is None or bar < tables.bar * REBUILD:
         tables = suffix_bounds(candidate, bar)
     sharing = candidate.sharing
     if candidate.virtual == 1 or (sharing is not None and sharing.contended(candidate.layout.pp)):
         paths = None  # one stage has no path to bound; shared cores stretch actions beyond what a path counts
+    elif paths is not None and not paths.found:  # a first path to bound by: the uniform split's
+        paths.add(critical_path(candidate, uniform_partition(candidate.num_layers, candidate.virtual)))
     search = _Search(candidate, tables, stats, bar, first, paths)
     search.extend(_Path(), 0, 0.0)
     return search.best

@@ -182,8 +182,6 @@ def search(
         stats.searched += 1
         stats.partitions.progress(partial(_next_search, candidate, best))
         pool = paths.setdefault(path_key(candidate), CriticalPaths())
-        if not pool.found:  # a first path to bound by: its uniform split's
-            pool.add(critical_path(candidate, uniform_partition(candidate.num_layers, candidate.virtual)))
         found = search_partition(candidate, bar, stats.partitions, kept, first=first, paths=pool)
         if found is not None:
             offer(preference, candidate, *found)
