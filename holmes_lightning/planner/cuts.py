@@ -132,6 +132,9 @@ class PathTables:
             self.coef = np.concatenate([self.coef, np.zeros((grown, *self.coef.shape[1:]))])
             self.least = np.concatenate([self.least, np.zeros((grown, *self.least.shape[1:]))])
         self.coef[changed], self.least[changed] = coef, least
+        # the same, laid out for `completions`' rows of ways: (virtual, terms, paths) and (virtual + 1, stop, paths)
+        self.coef_by_stage = np.ascontiguousarray(self.coef.transpose(1, 2, 0))
+        self.least_by_stop = np.ascontiguousarray(self.least.transpose(1, 2, 0))
         self.versions = list(versions)
         self.placed, self.prefix = [], [np.full(len(found), self.candidate.closing_s)]
 
@@ -171,9 +174,12 @@ class PathTables:
                 return None
             ends = np.arange(len(ways)) - np.repeat(np.cumsum(counts) - counts, counts) + np.repeat(first, counts)
             begins = starts[ways]
-            grown = lengths[ways] + self.terms[u, begins, ends] @ self.coef[:, u].T
-            grown += self.invalid[u, begins, ends][:, None]
-            alive = ((grown + self.least[:, u + 1, ends].T).max(axis=1) * (1 - ROUNDING) < bar).nonzero()[0]
+            fits = (self.invalid[u, begins, ends] == 0.0).nonzero()[0]  # the range fits some memory level
+            ways, begins, ends = ways[fits], begins[fits], ends[fits]
+            grown = lengths[ways] + self.terms[u, begins, ends] @ self.coef_by_stage[u]
+            alive = ((grown + self.least_by_stop[u + 1, ends]).max(axis=1) * (1 - ROUNDING) < bar).nonzero()[0]
+            if not len(alive):  # no way left
+                return np.zeros((0, virtual - v), dtype=int)
             lengths, starts = grown[alive], ends[alive]
             stops = np.concatenate([stops[ways[alive]], starts[:, None]], axis=1)
         return stops[lengths.max(axis=1).argsort(kind="stable")]
