@@ -36,7 +36,7 @@ from holmes_lightning.planner.layout import StageHardware, dp_degrees, holmes_la
 from holmes_lightning.planner.partition import PartitionStats, search_partition
 from holmes_lightning.planner.report import format_comparison
 from holmes_lightning.planner.schedules import microbatch_problem
-from holmes_lightning.planner.search import SearchStats, balanced_partition, descend
+from holmes_lightning.planner.search import SearchStats, balanced_partition, balanced_stages, descend
 from holmes_lightning.topology import Topology, TopologyError
 
 GB = 1e9
@@ -275,13 +275,14 @@ def test_the_split_search_finds_the_best_of_every_split(topology, model, schedul
                 assert shares <= tail * (1 + 1e-9)
                 if cost.sharding is Sharding.fsdp:
                     assert shares == pytest.approx(tail, rel=1e-9)
-    balanced = balanced_partition(candidate)  # the first incumbent's start: any whole split, improved by descending
-    assert len(balanced) == pp * chunks and min(balanced) >= 1 and sum(balanced) == model.num_layers
-    start = candidate.step_s(balanced)
-    if start is not None:
-        counts, step = descend(candidate, balanced, start)
-        assert min(fitting)[0] * (1 - 1e-9) <= step <= start
-        assert candidate.step_s(counts) == step
+    seeds = [balanced_partition(candidate)] + ([balanced_stages(candidate)] if chunks > 1 else [])
+    for balanced in seeds:  # the first incumbent's starts: any whole split, improved by descending
+        assert len(balanced) == pp * chunks and min(balanced) >= 1 and sum(balanced) == model.num_layers
+        start = candidate.step_s(balanced)
+        if start is not None:
+            counts, step = descend(candidate, balanced, start)
+            assert min(fitting)[0] * (1 - 1e-9) <= step <= start
+            assert candidate.step_s(counts) == step
 
 
 @st.composite

@@ -1,8 +1,9 @@
 """The search over candidates (layout x micro-batch count x sharding) and their splits, bounded by the best so far.
 
-1. Every candidate's uniform split (or the requested split) is simulated; then the balanced split (least busy
-   busiest stage, `balanced_partition`) of each candidate with many splits whose one-pass bound is under the best so
-   far, those near the fastest improved layer by layer (`descend`): a first incumbent near the optimum, cheaply.
+1. Every candidate's uniform split (or the requested split) is simulated; then the balanced splits (least busy
+   busiest stage, `balanced_partition`; with several chunks per stage also `balanced_stages`) of each candidate
+   with many splits whose one-pass bound is under the best so far, those near the fastest improved layer by layer
+   (`descend`): a first incumbent near the optimum, cheaply.
 2. A one-pass bound, then the least bound over all splits (`SuffixBounds`), cuts candidates that cannot beat it.
 3. The rest, lowest bound first, are split by branch and bound (`partition.search_partition`).
 
@@ -13,6 +14,7 @@ best plan of all candidates under the cost model.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +27,7 @@ from holmes_lightning.planner.partition import (
     ROUNDING,
     PartitionStats,
     search_partition,
+    split_chunks,
     suffix_bounds,
     uniform_partition,
 )
@@ -141,9 +144,7 @@ def search(
                 break
             if math.comb(candidate.num_layers - 1, candidate.virtual - 1) < SEEDED_SPLITS:
                 continue
-            counts = balanced_partition(candidate)
-            step = candidate.step_s(counts)
-            if step is not None:
+            for counts, step in _balanced_seeds(candidate):
                 offer(preference, candidate, counts, step)
                 seeds.append((step, preference, candidate, counts))
         seeds_best = min((seed[0] for seed in seeds), default=math.inf)
@@ -208,6 +209,15 @@ def _next_search(candidate: Candidate, best: Found | None) -> str:
     return f"planning: splitting {candidate.describe()} next, best step {so_far} so far"
 
 
+def _balanced_seeds(candidate: Candidate) -> list[tuple[tuple[int, ...], float]]:
+    """The balanced splits that fit memory, with their simulated steps: `balanced_partition`'s, and with several
+    chunks per stage `balanced_stages`' too (each descends to its own local optimum; either may be the better)."""
+    splits = {balanced_partition(candidate)}
+    if candidate.chunks > 1:
+        splits.add(balanced_stages(candidate))
+    return [(counts, step) for counts in sorted(splits) if (step := candidate.step_s(counts)) is not None]
+
+
 def balanced_partition(candidate: Candidate) -> tuple[int, ...]:
     """The split whose busiest virtual stage is least busy: m x (its passes) + its waits on sends + its tail (one
     chunk per stage), a cheap proxy for the step, by dynamic programming over the ranges (memory and checkpointing
@@ -235,6 +245,37 @@ def balanced_partition(candidate: Candidate) -> tuple[int, ...]:
     for v in range(virtual):
         stops.append(stop_of[v][stops[-1]])
     return tuple(b - a for a, b in zip(stops, stops[1:], strict=False))
+
+
+def balanced_stages(candidate: Candidate) -> tuple[int, ...]:
+    """Several chunks per stage: the layer counts per stage whose busiest stage (m x its passes + its tail: the sync
+    of all its layers, which a slow NIC makes the larger share) is least busy, by dynamic programming over ranges in
+    stage order as if each stage held one, then each stage's count split into its chunks (`split_chunks`). A stage's
+    load is the sum of its chunks', which a balance per virtual stage misses."""
+    c, pp, chunks, layers, m = (
+        candidate,
+        candidate.layout.pp,
+        candidate.chunks,
+        candidate.num_layers,
+        candidate.microbatches,
+    )
+    least = [[math.inf] * (layers + 1) for _ in range(pp + 1)]
+    stop_of = [[0] * (layers + 1) for _ in range(pp + 1)]
+    least[pp][layers] = 0.0
+    for s in range(pp - 1, -1, -1):
+        later = (pp - 1 - s) * chunks  # layers the stages after it need at least
+        for start in range(s * chunks, layers - later - chunks + 1):
+            for stop in range(start + chunks, layers - later + 1):
+                passes = c.forward_s(s, start, stop) + c.backward_s(s, start, stop)
+                if m * passes >= least[s][start]:  # and more so with more layers
+                    break
+                busy = m * passes + c.tail_s(s, c.param_bytes(start, stop), stop - start, passes)
+                if max(busy, least[s + 1][stop]) < least[s][start]:
+                    least[s][start], stop_of[s][start] = max(busy, least[s + 1][stop]), stop
+    stops = [0]
+    for s in range(pp):
+        stops.append(stop_of[s][stops[-1]])
+    return split_chunks([b - a for a, b in itertools.pairwise(stops)], c.located)
 
 
 def descend(candidate: Candidate, counts: tuple[int, ...], step: float) -> tuple[tuple[int, ...], float]:
