@@ -16,10 +16,12 @@ Virtual stages are assigned layers front to back. A partial split's lower bound 
   search or another of the same schedule order, `cuts`), its length over the virtual stages placed plus the least
   any ranges of the layers left give it: the queueing between stages the other bounds miss.
 
-Once a search has run longer still (`WAYS_AFTER`), a partial split whose layers left have at most `MOST_WAYS` ways
-to go enumerates them with every path's length summed along each (`PathTables.completions`): only the ways that no
-path takes to `bar` are expanded, the paths coupled (the layers left cannot dodge each path on its own). Before that,
-the best of those ways are simulated (`PROBES`) and their critical paths added, which often leaves none.
+Where the plain subtrees from a virtual stage took the search many partial splits each so far (`ENUMERATION_NODES`),
+or anywhere once the search has run longer still (`WAYS_AFTER`), a partial split whose layers left have at most
+`MOST_WAYS` ways to go enumerates them with every path's length summed along each (`PathTables.completions`): only
+the ways that no path takes to `bar` are expanded, the paths coupled (the layers left cannot dodge each path on its
+own). Before that, the best of those ways are simulated (`PROBES`) and their critical paths added, which often
+leaves none.
 
 A virtual stage's backward is costed at the checkpointing its stage needs for the chunks assigned so far
 (`Candidate.level`); later chunks can only raise that level, so the bounds hold, and a finished split with several
@@ -55,7 +57,9 @@ DESCENTS = 3  # cycles down to this many virtual stages below one count in its p
 PROGRESS_NODES = 1024  # partial splits between checks whether a progress report is due
 PATHS_AFTER = 2000  # partial splits a search visits before it bounds by critical paths (`cuts`) too
 PATHS_TRIAL, PATHS_USEFUL = 2000, 0.1  # a search for any split keeps them if they cut this many children a call
-WAYS_AFTER = 50_000  # partial splits a search visits before it enumerates the ways left (`_probe`)
+WAYS_AFTER = 50_000  # partial splits a search visits before it enumerates the ways left (`_probe`) wherever it may
+SUBTREES_SEEN = 4  # plain subtrees from a virtual stage a search counts before it may enumerate the ways left there
+ENUMERATION_NODES = 500  # partial splits a plain subtree takes on average where enumerating (`_probe`) pays
 MOST_WAYS = 1_000_000  # splits of the layers left at most, for a search to enumerate them
 MOST_LENGTHS = 4_000_000  # (way, path) lengths one enumeration may hold at once
 RETRY = 64  # after an enumeration over that, the splits left must be this many times fewer to try again
@@ -230,6 +234,8 @@ class _Search:
         self.ranged_paths = self.chunks == 1 and all(turn < 0 for turns in candidate.shapes.descents for turn in turns)
         # a range too big stays so with more layers, unless more of them could turn on checkpointing that fits a ceiling
         self.monotone_memory = candidate.memory_ceiling is None or len(candidate.checkpointing) == 1
+        # per virtual stage v, the plain (not enumerated) subtrees from it: how many, and their partial splits
+        self.plain_subtrees, self.plain_nodes = [0] * (self.virtual + 1), [0] * (self.virtual + 1)
 
     def extend(
         self, path: _Path, v: int, bound: float, ways: np.ndarray | None = None, most_ways: int = MOST_WAYS
@@ -243,15 +249,29 @@ class _Search:
         if v == self.virtual:
             self._finish(path)
             return
-        if ways is None and self.cuts is not None and self.stats.nodes - self.began >= WAYS_AFTER:
+        if ways is not None:  # within an enumerated subtree
+            self._expand(path, v, bound, ways, most_ways)
+            return
+        if self.cuts is not None:
             splits = math.comb(self.layers - path.start(v) - 1, self.virtual - 1 - v)
-            if splits <= most_ways:
+            if splits <= most_ways and (self.stats.nodes - self.began >= WAYS_AFTER or self._worth_enumerating(v)):
                 ways = self._probe(path, v, path.start(v))
                 if self.first and self.best is not None:
                     return
-                if ways is None:  # too many to enumerate: not again until far fewer splits are left
-                    most_ways = splits // RETRY
-        self._expand(path, v, bound, ways, most_ways)
+                if ways is not None:
+                    self._expand(path, v, bound, ways, most_ways)
+                    return
+                most_ways = splits // RETRY  # too many to enumerate: not again until far fewer splits are left
+        began = self.stats.nodes
+        self._expand(path, v, bound, None, most_ways)
+        self.plain_nodes[v] += self.stats.nodes - began
+        self.plain_subtrees[v] += 1
+
+    def _worth_enumerating(self, v: int) -> bool:
+        """Whether the plain subtrees from virtual stage v took this search `ENUMERATION_NODES` partial splits or more
+        on average (over at least `SUBTREES_SEEN` of them): where enumerating the ways left is likely the quicker."""
+        seen = self.plain_subtrees[v]
+        return seen >= SUBTREES_SEEN and self.plain_nodes[v] >= ENUMERATION_NODES * seen
 
     def _expand(self, path: _Path, v: int, bound: float, ways: np.ndarray | None, most_ways: int) -> None:
         """`extend`'s children of a partial split that ends before virtual stage v."""
