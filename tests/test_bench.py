@@ -280,6 +280,22 @@ def test_the_planning_bench_sites_differ_by_link_and_plan(tmp_path):
     assert (tmp_path / "planning.png").stat().st_size > 0
 
 
+def test_the_planning_bench_times_each_schedule_asked_for(tmp_path, capsys):
+    """`--schedules` plans every size with each (its name in the table and JSON); `--shapes`, `--gpus` and `--model`
+    pick what is planned; words no shape's name holds are refused, naming the shapes."""
+    argv = [str(tmp_path), "--repeats", "1", "--shapes", "IB + RoCE", "--gpus", "64", "--model", "gpt_1_3b"]
+    timings = planning.main([*argv, "--schedules", "GPipe", "ZBVZeroBubble"])
+    assert [(t.shape, t.gpus, t.model, t.schedule) for t in timings] == [
+        ("2 clusters (IB + RoCE)", 64, "gpt_1_3b", schedule) for schedule in ("GPipe", "ZBVZeroBubble")
+    ]
+    written = json.loads((tmp_path / "planning.json").read_text())
+    assert [row["schedule"] for row in written] == ["GPipe", "ZBVZeroBubble"]
+    assert "| ZBVZeroBubble |" in (tmp_path / "planning.md").read_text()
+    with pytest.raises(SystemExit):
+        planning.main([str(tmp_path), "--shapes", "nine sites"])
+    assert "--shapes nine sites: no shape's name contains them" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("job", "message"),
     [
