@@ -222,60 +222,57 @@ def balanced_partition(candidate: Candidate) -> tuple[int, ...]:
     """The split whose busiest virtual stage is least busy: m x (its passes) + its waits on sends + its tail (one
     chunk per stage), a cheap proxy for the step, by dynamic programming over the ranges (memory and checkpointing
     left to the simulation)."""
-    c, virtual, layers, m = candidate, candidate.virtual, candidate.num_layers, candidate.microbatches
-    least = [[math.inf] * (layers + 1) for _ in range(virtual + 1)]
-    stop_of = [[0] * (layers + 1) for _ in range(virtual + 1)]
-    least[virtual][layers] = 0.0
-    for v in range(virtual - 1, -1, -1):
-        stage, walk, later = c.located[v][0], c.shapes.walks[v], virtual - 1 - v
-        for start in range(v, layers - later):
-            down = c.send_s(v - 1, start) if v else 0.0
-            for stop in range(start + 1, layers - later + 1):
-                forward, backward = c.forward_s(stage, start, stop), c.backward_s(stage, start, stop)
-                busy = m * (forward + backward)
-                if busy >= least[v][start]:  # and more so with more layers
-                    break
-                weight = c.weight_s(stage, start, stop)
-                busy += walk.waits_s(forward, backward - weight, c.send_s(v, stop), down)
-                if c.chunks == 1:  # and what follows its last backward
-                    busy += c.tail_s(stage, c.param_bytes(start, stop), stop - start, forward + backward)
-                if max(busy, least[v + 1][stop]) < least[v][start]:
-                    least[v][start], stop_of[v][start] = max(busy, least[v + 1][stop]), stop
-    stops = [0]
-    for v in range(virtual):
-        stops.append(stop_of[v][stops[-1]])
-    return tuple(b - a for a, b in zip(stops, stops[1:], strict=False))
+    c, m = candidate, candidate.microbatches
+
+    def busy(v: int, start: int, stop: int) -> tuple[float, float]:
+        stage, walk = c.located[v][0], c.shapes.walks[v]
+        forward, backward = c.forward_s(stage, start, stop), c.backward_s(stage, start, stop)
+        passes = m * (forward + backward)
+        down = c.send_s(v - 1, start) if v else 0.0
+        seconds = passes + walk.waits_s(forward, backward - c.weight_s(stage, start, stop), c.send_s(v, stop), down)
+        if c.chunks == 1:  # and what follows its last backward
+            seconds += c.tail_s(stage, c.param_bytes(start, stop), stop - start, forward + backward)
+        return passes, seconds
+
+    return _least_busiest(c.virtual, c.num_layers, 1, busy)
 
 
 def balanced_stages(candidate: Candidate) -> tuple[int, ...]:
     """Several chunks per stage: the layer counts per stage whose busiest stage (m x its passes + its tail: the sync
-    of all its layers, which a slow NIC makes the larger share) is least busy, by dynamic programming over ranges in
-    stage order as if each stage held one, then each stage's count split into its chunks (`split_chunks`). A stage's
-    load is the sum of its chunks', which a balance per virtual stage misses."""
-    c, pp, chunks, layers, m = (
-        candidate,
-        candidate.layout.pp,
-        candidate.chunks,
-        candidate.num_layers,
-        candidate.microbatches,
-    )
-    least = [[math.inf] * (layers + 1) for _ in range(pp + 1)]
-    stop_of = [[0] * (layers + 1) for _ in range(pp + 1)]
-    least[pp][layers] = 0.0
-    for s in range(pp - 1, -1, -1):
-        later = (pp - 1 - s) * chunks  # layers the stages after it need at least
-        for start in range(s * chunks, layers - later - chunks + 1):
-            for stop in range(start + chunks, layers - later + 1):
-                passes = c.forward_s(s, start, stop) + c.backward_s(s, start, stop)
-                if m * passes >= least[s][start]:  # and more so with more layers
+    of all its layers, which a slow NIC makes the larger share) is least busy, over ranges in stage order as if each
+    stage held one, then each stage's count split into its chunks (`split_chunks`). A stage's load is the sum of its
+    chunks', which a balance per virtual stage misses."""
+    c, m = candidate, candidate.microbatches
+
+    def busy(stage: int, start: int, stop: int) -> tuple[float, float]:
+        passes = c.forward_s(stage, start, stop) + c.backward_s(stage, start, stop)
+        return m * passes, m * passes + c.tail_s(stage, c.param_bytes(start, stop), stop - start, passes)
+
+    return split_chunks(_least_busiest(c.layout.pp, c.num_layers, c.chunks, busy), c.located)
+
+
+def _least_busiest(
+    parts: int, layers: int, smallest: int, busy: Callable[[int, int, int], tuple[float, float]]
+) -> tuple[int, ...]:
+    """Layers per part of the split of `layers` into `parts` ranges of at least `smallest` layers whose busiest range
+    is least busy, by dynamic programming; `busy(part, start, stop)`: a floor of the range's seconds that only grows
+    with more layers, and its seconds."""
+    least = [[math.inf] * (layers + 1) for _ in range(parts + 1)]
+    stop_of = [[0] * (layers + 1) for _ in range(parts + 1)]
+    least[parts][layers] = 0.0
+    for part in range(parts - 1, -1, -1):
+        later = (parts - 1 - part) * smallest  # layers the ranges after it need at least
+        for start in range(part * smallest, layers - later - smallest + 1):
+            for stop in range(start + smallest, layers - later + 1):
+                floor, seconds = busy(part, start, stop)
+                if floor >= least[part][start]:  # and more so with more layers
                     break
-                busy = m * passes + c.tail_s(s, c.param_bytes(start, stop), stop - start, passes)
-                if max(busy, least[s + 1][stop]) < least[s][start]:
-                    least[s][start], stop_of[s][start] = max(busy, least[s + 1][stop]), stop
+                if max(seconds, least[part + 1][stop]) < least[part][start]:
+                    least[part][start], stop_of[part][start] = max(seconds, least[part + 1][stop]), stop
     stops = [0]
-    for s in range(pp):
-        stops.append(stop_of[s][stops[-1]])
-    return split_chunks([b - a for a, b in itertools.pairwise(stops)], c.located)
+    for part in range(parts):
+        stops.append(stop_of[part][stops[-1]])
+    return tuple(b - a for a, b in itertools.pairwise(stops))
 
 
 def descend(candidate: Candidate, counts: tuple[int, ...], step: float) -> tuple[tuple[int, ...], float]:
