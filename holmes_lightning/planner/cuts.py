@@ -73,7 +73,7 @@ def critical_path(candidate: Candidate, counts: tuple[int, ...]) -> CriticalPath
 
 class PathTables:
     """One candidate's bounds from `paths`: per path and virtual stage v, the least length over virtual stages
-    v, v + 1, ... of any ranges of layers [start, L) (`least[path, v, start]`), each range at its stage's
+    v, v + 1, ... of any ranges of layers [start, L) (`least[v, start, path]`), each range at its stage's
     cheapest checkpointing level that fits (later chunks can only raise it). A path's tail counts as the pipeline's
     closing collective plus the shares of its stage's chunks (`Candidate.tail_share_s`), at most the tail."""
 
@@ -97,8 +97,10 @@ class PathTables:
             terms, invalid = _range_terms(c, v)
             window = (slice(v, layers - later), slice(v + 1 if later else layers, layers - later + 1))
             self.terms[v][window], self.invalid[v][window] = terms[window], invalid[window]
-        self.coef = np.zeros((0, virtual, TERMS))
-        self.least = np.zeros((0, virtual + 1, layers + 1))
+        # per path (the last axis, so rows of ways or stops gather contiguously): its coefficients per virtual stage
+        # and term, and its least length from virtual stage v and layer start on
+        self.coef = np.zeros((virtual, TERMS, 0))
+        self.least = np.zeros((virtual + 1, layers + 1, 0))
         self.placed: list[tuple[int, int]] = []  # the ranges `prefix` holds: prefix[d], the paths' lengths over d
         self.prefix: list[np.ndarray] = []
         self.sync()
@@ -129,12 +131,9 @@ class PathTables:
             least[:, v] = (lengths[:, v] + least[:, v + 1, None, :]).min(axis=2)
         grown = len(found) - len(self.versions)
         if grown:
-            self.coef = np.concatenate([self.coef, np.zeros((grown, *self.coef.shape[1:]))])
-            self.least = np.concatenate([self.least, np.zeros((grown, *self.least.shape[1:]))])
-        self.coef[changed], self.least[changed] = coef, least
-        # the same, laid out for `completions`' rows of ways: (virtual, terms, paths) and (virtual + 1, stop, paths)
-        self.coef_by_stage = np.ascontiguousarray(self.coef.transpose(1, 2, 0))
-        self.least_by_stop = np.ascontiguousarray(self.least.transpose(1, 2, 0))
+            self.coef = np.concatenate([self.coef, np.zeros((*self.coef.shape[:2], grown))], axis=2)
+            self.least = np.concatenate([self.least, np.zeros((*self.least.shape[:2], grown))], axis=2)
+        self.coef[..., changed], self.least[..., changed] = coef.transpose(1, 2, 0), least.transpose(1, 2, 0)
         self.versions = list(versions)
         self.placed, self.prefix = [], [np.full(len(found), self.candidate.closing_s)]
 
@@ -144,11 +143,11 @@ class PathTables:
         self.sync()
         if not self.versions:
             return None
-        lengths = self.coef[:, v] @ self.terms[v, start, stops].T  # (paths, stops)
-        bounds = self._placed_s(ranges, v)[:, None] + lengths + self.least[:, v + 1, stops]
+        lengths = self.terms[v, start, stops] @ self.coef[v]  # (stops, paths)
+        bounds = self._placed_s(ranges, v)[None, :] + lengths + self.least[v + 1, stops]
         if len(self.versions) >= MOST_PATHS:  # which paths bound, for the pool to keep them
-            self.paths.used += np.bincount(bounds.argmax(axis=0), minlength=len(self.versions))
-        return bounds.max(axis=0)
+            self.paths.used += np.bincount(bounds.argmax(axis=1), minlength=len(self.versions))
+        return bounds.max(axis=1)
 
     def completions(
         self, ranges: list[tuple[int, int]], v: int, start: int, bar: float, budget: int
@@ -176,8 +175,8 @@ class PathTables:
             begins = starts[ways]
             fits = (self.invalid[u, begins, ends] == 0.0).nonzero()[0]  # the range fits some memory level
             ways, begins, ends = ways[fits], begins[fits], ends[fits]
-            grown = lengths[ways] + self.terms[u, begins, ends] @ self.coef_by_stage[u]
-            alive = ((grown + self.least_by_stop[u + 1, ends]).max(axis=1) * (1 - ROUNDING) < bar).nonzero()[0]
+            grown = lengths[ways] + self.terms[u, begins, ends] @ self.coef[u]
+            alive = ((grown + self.least[u + 1, ends]).max(axis=1) * (1 - ROUNDING) < bar).nonzero()[0]
             if not len(alive):  # no way left
                 return np.zeros((0, virtual - v), dtype=int)
             lengths, starts = grown[alive], ends[alive]
@@ -194,7 +193,7 @@ class PathTables:
         del placed[kept:], prefix[kept + 1 :]
         for u in range(kept, v):
             placed.append(ranges[u])
-            prefix.append(prefix[u] + coef[:, u] @ terms[u, ranges[u][0], ranges[u][1]])
+            prefix.append(prefix[u] + terms[u, ranges[u][0], ranges[u][1]] @ coef[u])
         return prefix[v]
 
 

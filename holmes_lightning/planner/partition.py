@@ -249,19 +249,17 @@ class _Search:
         if v == self.virtual:
             self._finish(path)
             return
-        if ways is not None:  # within an enumerated subtree
-            self._expand(path, v, bound, ways, most_ways)
-            return
-        if self.cuts is not None:
+        if ways is None and self.cuts is not None:
             splits = math.comb(self.layers - path.start(v) - 1, self.virtual - 1 - v)
             if splits <= most_ways and (self.stats.nodes - self.began >= WAYS_AFTER or self._worth_enumerating(v)):
                 ways = self._probe(path, v, path.start(v))
                 if self.first and self.best is not None:
                     return
-                if ways is not None:
-                    self._expand(path, v, bound, ways, most_ways)
-                    return
-                most_ways = splits // RETRY  # too many to enumerate: not again until far fewer splits are left
+                if ways is None:  # too many to enumerate: not again until far fewer splits are left
+                    most_ways = splits // RETRY
+        if ways is not None:  # an enumerated subtree
+            self._expand(path, v, bound, ways, most_ways)
+            return
         began = self.stats.nodes
         self._expand(path, v, bound, None, most_ways)
         self.plain_nodes[v] += self.stats.nodes - began
