@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from holmes_lightning.bench import overhead, planning, sites
+from holmes_lightning.bench.bubbles import draw_schedules, schedule_record, schedule_table
 from holmes_lightning.bench.calibrate import LabCalibration, calibrate
 from holmes_lightning.bench.config import SITES_VARIANTS, VARIANTS, ActivationsJob, BenchSettings, SitesJob
 from holmes_lightning.bench.load import CpuClock
@@ -15,8 +16,8 @@ from holmes_lightning.bench.memory import run_memory_bench
 from holmes_lightning.bench.model import BenchModel, FlatFSDP
 from holmes_lightning.bench.overhead import OverheadRun, pair_ratios
 from holmes_lightning.bench.report import Target, draw, markdown, regime, repeated_runs, targets, write_json
-from holmes_lightning.bench.runner import RunResult, summarize
-from holmes_lightning.bench.variants import REFERENCE, Hardware, Variant, plan_variants
+from holmes_lightning.bench.runner import Launch, RunResult, pipeline_shares, summarize
+from holmes_lightning.bench.variants import REFERENCE, Hardware, Variant, plan_schedule_variants, plan_variants
 from holmes_lightning.cli.config import ConfigError, HFModelConfig, ModelConfig, StrategyConfig
 from holmes_lightning.measure import available_cores
 from holmes_lightning.measure.calibration import Calibration
@@ -43,12 +44,19 @@ def test_every_variant_is_planned_and_reported(tmp_path, saved_figures):
 
     steps = settings.warmup_steps + settings.measured_steps
     per_rank = {v.name: [[v.plan.prediction.total_s] * steps] * 4 for v in variants}  # runs exactly as predicted
-    results = [summarize(v, per_rank[v.name], settings=settings, profile=profile, foreign_load=0.0) for v in variants]
+    unpipelined = {v.name: [[]] * 4 for v in variants}
+    launched = Launch(per_rank, 0.0, unpipelined, unpipelined)
+    results = [summarize(v, launched, settings=settings, profile=profile) for v in variants]
+    assert {(r.passes_share, r.waits_share) for r in results} == {(None, None)}
     check = regime(variants, profile, settings.global_batch)
     assert check["gradient_to_boundary"] > 5
     context = {"calibration": calibration, "variants": variants, "bench": "test", "model": "m"}
     context.update(global_batch=8, steps="1 + 1", prediction_tolerance=0.15)
     table = markdown(results, context, check)
+    assert "Per schedule" not in table  # no bench.schedules
+    refused = {"DualPipeV": "it needs more micro-batches"}
+    with_schedules = markdown(results, {**context, "schedule_runs": [], "refused_schedules": refused}, check)
+    assert with_schedules.endswith("\nDualPipeV: not run, it needs more micro-batches\n")
     assert all(v.label in table for v in variants) and "| predicted / measured within 15% | 7/7 runs" in table
     assert "Other work took" not in table
     busy = [replace(r, foreign_load=0.3) if r.name == "ddp" else r for r in results]
@@ -75,6 +83,55 @@ def test_every_variant_is_planned_and_reported(tmp_path, saved_figures):
     assert [bar.get_height() for bar in predicted] == pytest.approx([r.predicted_s for r in drawn])
     reference = next(r.median_s for r in drawn if r.name == REFERENCE)
     assert [text.get_text() for text in axes.texts] == [f"{r.median_s / reference:.2f}x" for r in drawn]
+
+
+def test_each_schedule_asked_for_is_planned_run_and_reported_with_its_bubble(tmp_path, saved_figures):
+    settings = BenchSettings(
+        model=ModelConfig(n_layers=4, d_model=64, n_heads=4, seq_len=16),
+        global_batch=4,
+        schedules=["ZBVZeroBubble", "1F1B", "DualPipeV"],
+    )
+    profile = BenchModel(gpt=settings.model).profile()
+    costs = MachineCosts(efficiency=1.0, layer_overhead_s=1e-3, optimizer_s_per_gb=5.0, dp_overlap=0.0)
+    calibration = LabCalibration(Calibration(10.0, 4e-3, 5e-3, 0.5, 5e-3, costs), 1e-4, "test")
+    hardware = Hardware.derive(Topology.from_config("two_cluster_mixed"), settings, calibration)
+    runs, refused = plan_schedule_variants(hardware, profile, settings, PlanOptions(pp=2))
+    assert [(r.name, r.label, r.plan.schedule.value, r.plan.pp) for r in runs] == [
+        ("holmes_schedule_ZBVZeroBubble", "Holmes, ZBVZeroBubble", "ZBVZeroBubble", 2),
+        ("holmes_schedule_1F1B", "Holmes, 1F1B", "1F1B", 2),
+    ]
+    assert list(refused) == ["DualPipeV"] and "microbatches >= virtual stages" in refused["DualPipeV"]  # 2 per dp
+    assert plan_schedule_variants(hardware, profile, replace(settings, schedules=None), PlanOptions()) == ([], {})
+
+    steps = settings.warmup_steps + settings.measured_steps
+    step = {r.name: [[1.0] * steps] * 4 for r in runs}
+    schedule_s = {r.name: [[0.9] * steps] * 4 for r in runs}
+    passes_s = {r.name: [[0.6] * steps, [0.7] * steps, [0.5] * steps, [0.6] * steps] for r in runs}
+    launched = Launch(step, 0.0, schedule_s, passes_s)
+    results = [summarize(r, launched, settings=settings, profile=profile) for r in runs]
+    assert [(r.passes_share, r.waits_share) for r in results] == [pytest.approx((0.7, 0.2))] * 2  # the busiest rank
+    table = "\n".join(schedule_table(results, refused))
+    zbv = results[0].predicted
+    row = f"| ZBVZeroBubble | {results[0].layout} | 1.000 | {results[0].predicted_s:.3f} | 0.70 | "
+    assert row + f"{zbv['compute_s'] / zbv['total_s']:.2f} | 0.20 |" in table
+    assert f"DualPipeV: not run, {refused['DualPipeV']}" in table
+    written = json.loads(json.dumps(schedule_record(results, refused)))
+    assert [run["waits_share"] for run in written["runs"]] == pytest.approx([0.2, 0.2])
+    assert written["runs"][0]["predicted_shares"]["bubble"] == pytest.approx(zbv["bubble_s"] / zbv["total_s"])
+    assert written["refused"] == refused
+    draw_schedules(tmp_path / "s.png", results)
+    (axes,) = saved_figures[0].axes
+    waits, idle, bubble = axes.containers
+    assert [bar.get_height() for bar in waits] == pytest.approx([0.2, 0.2])
+    assert [text.get_text() for text in axes.texts] == ["1.00 s", "1.00 s"]
+
+
+def test_pipeline_shares_are_the_busiest_ranks_after_the_warm_up():
+    steps = [[9.0, 2.0, 2.0], [9.0, 2.0, 4.0]]  # per rank; the first step a warm-up
+    schedule_s = [[9.0, 1.5, 1.5], [9.0, 1.8, 3.0]]
+    passes_s = [[1.0, 1.0, 1.0], [1.0, 0.5, 2.0]]  # rank 0 the busiest in step 1, rank 1 in step 2
+    assert pipeline_shares(steps, schedule_s, passes_s, warmup_steps=1) == pytest.approx(((0.5 + 0.5) / 2, 0.25))
+    assert pipeline_shares(steps, [[], []], [[], []], warmup_steps=1) is None
 
 
 def test_bad_settings_name_the_field():
@@ -262,6 +319,10 @@ def test_the_memory_bench_measures_checkpointing_lower_with_the_same_losses(tmp_
         assert len(full.losses) == 2 and full.losses == pytest.approx(off.losses, rel=1e-6)
     written = json.loads((tmp_path / "memory.json").read_text())
     assert [row["checkpointing"] for row in written["rows"]] == ["off"] * 4 + ["full"] * 4
+    for rank in range(4):  # each step's schedule call and its passes, timed on every rank (`worker.PassTimer`)
+        (run,) = json.loads((tmp_path / "memory_fsdp_ac_full" / f"rank{rank}.json").read_text())["runs"]
+        timed = zip(run["passes_s"], run["schedule_s"], run["step_s"], strict=True)
+        assert len(run["step_s"]) == 2 and all(0 < passes < schedule < step for passes, schedule, step in timed)
     assert "full / off, model memory per rank: measured" in table and (tmp_path / "memory.png").stat().st_size > 10_000
 
 

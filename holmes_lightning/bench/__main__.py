@@ -2,15 +2,16 @@
 
 `bench=short` (default, README) takes about 4 minutes on 2 idle cores, `bench=full` (wider model, larger batch, 8
 measured steps) about 8; most of it is process start-up and the flat baselines' slow steps. `bench=paper_regime` (about
-10) derives its job from the planner's prediction for the paper's setting (`bench.regime`) and adds Holmes with the
-planner's free choice; `bench=regret` (about 7) measures every configuration of a small job against the planner's
-choice (`bench.regret`); `bench=memory` each rank's peak memory next to the planner's estimate (`bench.memory`);
-`bench=overhead` HolmesStrategy on one device against plain Lightning (`bench.overhead`); `bench=elastic` train.py
-with a rank killed after a checkpoint: the restart's phases, tokens/s before and after (`bench.elastic`; it plans as
-train.py does, not by `strategy` below); `bench=sites` train.py across two sites 1 Gb/s apart: one pipeline, flat DP
-and DiLoCo against the homogeneous limit, tokens/s and loss curves (`bench.sites`). Needs root for the lab's
-namespaces (without, links are not shaped and it says so). Holmes runs at pp=2 (`strategy.pp`), the degrees the
-paper compares at; `strategy.pp=null` lets the planner choose.
+14) derives its job from the planner's prediction for the paper's setting (`bench.regime`) and adds Holmes with the
+planner's free choice, and Holmes with each schedule of `bench.schedules`, its bubble measured (`bench.bubbles`);
+`bench=regret` (about 7) measures every configuration of a small job against the planner's choice (`bench.regret`);
+`bench=memory` each rank's peak memory next to the planner's estimate (`bench.memory`); `bench=overhead` HolmesStrategy
+on one device against plain Lightning (`bench.overhead`); `bench=elastic` train.py with a rank killed after a
+checkpoint: the restart's phases, tokens/s before and after (`bench.elastic`; it plans as train.py does, not by
+`strategy` below); `bench=sites` train.py across two sites 1 Gb/s apart: one pipeline, flat DP and DiLoCo against the
+homogeneous limit, tokens/s and loss curves (`bench.sites`). Needs root for the lab's namespaces (without, links are not
+shaped and it says so). Holmes runs at pp=2 (`strategy.pp`), the degrees the paper compares at; `strategy.pp=null` lets
+the planner choose.
 
 Method: the same GPT, byte corpus, global batch and steps for every variant, each started in the lab on its own
 emulated network: Holmes on the hybrid cluster, on its homogeneous limit (`Topology.homogeneous()`) and with the
@@ -36,6 +37,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from holmes_lightning.bench.bubbles import draw_schedules
 from holmes_lightning.bench.config import BenchJobConfig, register_bench_configs
 from holmes_lightning.bench.elastic import run_elastic_bench
 from holmes_lightning.bench.memory import run_memory_bench
@@ -116,8 +118,11 @@ def run(config: BenchJobConfig, out_dir: Path) -> Path:
     path.write_text(table)
     write_json(path.with_suffix(".json"), results, context=context, check=check)
     draw(path.with_suffix(".png"), results)
+    if context["schedule_runs"]:
+        draw_schedules(out_dir / f"{settings.name}_schedules.png", context["schedule_runs"])
     print(table)
-    print(f"bench: wrote {path} and its .json and .png")
+    chart = f" and {settings.name}_schedules.png" if context["schedule_runs"] else ""
+    print(f"bench: wrote {path}, its .json and .png{chart}")
     return path
 
 

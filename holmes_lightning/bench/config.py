@@ -174,7 +174,8 @@ class BenchSettings:
 
     `slow_cluster` runs its NIC at `slow_nic_gbps` in the unequal-clusters topology (auto vs uniform partition).
     `schedules`: bench=regret plans every configuration with each of these (None: the job's `strategy.schedule`),
-    and the planner's free choice takes `schedule=auto`.
+    and the planner's free choice takes `schedule=auto`; a speed bench adds a Holmes run with each (`bench.bubbles`:
+    its busiest rank's waits measured next to the predicted bubble).
     `bandwidth_scale` None: chosen from this CPU as `lab.scale` does, once, for every variant. What Holmes plans
     (degrees, schedule, sharding; `costs.dp_overlap`) is the job config's `strategy` node, as for train.py.
     """

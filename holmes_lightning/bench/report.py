@@ -11,6 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from holmes_lightning.bench.bubbles import schedule_record, schedule_table  # noqa: E402
 from holmes_lightning.bench.regime import SHARES, Regime, communication_share, ratios, shares  # noqa: E402
 from holmes_lightning.bench.runner import RunResult  # noqa: E402
 from holmes_lightning.bench.variants import LABELS, REFERENCE, Variant, run_key  # noqa: E402
@@ -209,6 +210,8 @@ def markdown(results: list[RunResult], context: dict, check: dict) -> str:
     lines += [f"\n{line}" for line in repeated_runs(results, context["variants"])]
     if "reference" in check:
         lines += ["", *paper_comparison(results, check)]
+    if context.get("schedule_runs") or context.get("refused_schedules"):
+        lines += ["", *schedule_table(context["schedule_runs"], context["refused_schedules"])]
     return "\n".join(lines) + "\n"
 
 
@@ -276,6 +279,8 @@ def write_json(path: Path, results: list[RunResult], *, context: dict, check: di
             "off": [r.name for r in off],
         },
     }
+    if context.get("schedule_runs") or context.get("refused_schedules"):
+        data["schedules"] = schedule_record(context["schedule_runs"], context["refused_schedules"])
     path.write_text(json.dumps(data, indent=1))
 
 

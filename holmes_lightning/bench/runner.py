@@ -7,14 +7,14 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from holmes_lightning.bench.calibrate import LabCalibration, calibrate
 from holmes_lightning.bench.config import BenchSettings
 from holmes_lightning.bench.load import CpuClock
 from holmes_lightning.bench.model import BenchModel
-from holmes_lightning.bench.variants import Hardware, Variant, plan_variants
+from holmes_lightning.bench.variants import Hardware, Variant, plan_schedule_variants, plan_variants
 from holmes_lightning.cli.config import LabConfig
 from holmes_lightning.cli.launch import start_ranks
 from holmes_lightning.planner import MachineCosts, ModelProfile, PlanOptions
@@ -24,7 +24,8 @@ from holmes_lightning.topology import Topology
 @dataclass(frozen=True)
 class RunResult:
     """One variant's measured steps (per step the slowest rank; warm-up excluded) and its prediction; `foreign_load`:
-    the share of the machine's cores other work took during its launch."""
+    the share of the machine's cores other work took during its launch. Pipelined, `passes_share` and `waits_share`
+    (`pipeline_shares`): what the busiest rank's passes and its waits on its neighbours took of the step, medians."""
 
     name: str
     label: str
@@ -38,6 +39,8 @@ class RunResult:
     predicted_s: float
     predicted: dict
     foreign_load: float = 0.0
+    passes_share: float | None = None
+    waits_share: float | None = None
 
 
 def write_spec(
@@ -75,11 +78,14 @@ def rank_results(folder: Path, world_size: int) -> list[dict]:
 
 @dataclass(frozen=True)
 class Launch:
-    """One launch of the lab: per run, every rank's step seconds; and the share of the machine's cores that other
-    work took meanwhile (`bench.load`)."""
+    """One launch of the lab: per run, every rank's step seconds and, pipelined, the seconds of each step's schedule
+    call and of its passes (`bench.worker.PassTimer`); and the share of the machine's cores that other work took
+    meanwhile (`bench.load`)."""
 
     steps: dict[str, list[list[float]]]
     foreign_load: float
+    schedule_s: dict[str, list[list[float]]] = field(default_factory=dict)
+    passes_s: dict[str, list[list[float]]] = field(default_factory=dict)
 
 
 def launch_runs(
@@ -94,8 +100,11 @@ def launch_runs(
         names = ", ".join(run.name for run in runs)
         raise RuntimeError(f"bench: launch of {names} failed with exit code {code}; its ranks' output is above")
     ranks = rank_results(folder, topology.world_size)
-    steps = {run.name: [rank["runs"][i]["step_s"] for rank in ranks] for i, run in enumerate(runs)}
-    return Launch(steps, foreign)
+
+    def per_run(key: str) -> dict[str, list[list[float]]]:
+        return {run.name: [rank["runs"][i][key] for rank in ranks] for i, run in enumerate(runs)}
+
+    return Launch(per_run("step_s"), foreign, per_run("schedule_s"), per_run("passes_s"))
 
 
 def measured_steps(per_rank: Sequence[Sequence[float]], warmup_steps: int) -> list[float]:
@@ -103,13 +112,35 @@ def measured_steps(per_rank: Sequence[Sequence[float]], warmup_steps: int) -> li
     return [max(step) for step in zip(*per_rank, strict=True)][warmup_steps:]
 
 
-def summarize(
-    variant: Variant, per_rank: list[list[float]], settings: BenchSettings, profile: ModelProfile, foreign_load: float
-) -> RunResult:
+def pipeline_shares(
+    steps: Sequence[Sequence[float]],
+    schedule_s: Sequence[Sequence[float]],
+    passes_s: Sequence[Sequence[float]],
+    warmup_steps: int,
+) -> tuple[float, float] | None:
+    """Per rank and step its step, schedule-call and passes seconds: the median over the measured steps of the busiest
+    rank's passes and of its waits in the schedule call (the call less its passes), each over the slowest rank's step
+    (None: not pipelined)."""
+    if not any(schedule_s):
+        return None
+    passes, waits = [], []
+    for i in range(warmup_steps, len(steps[0])):
+        step = max(rank[i] for rank in steps)
+        busiest = max(range(len(passes_s)), key=lambda rank: passes_s[rank][i])
+        passes.append(passes_s[busiest][i] / step)
+        waits.append((schedule_s[busiest][i] - passes_s[busiest][i]) / step)
+    return statistics.median(passes), statistics.median(waits)
+
+
+def summarize(variant: Variant, launched: Launch, settings: BenchSettings, profile: ModelProfile) -> RunResult:
+    per_rank = launched.steps[variant.name]
     slowest = measured_steps(per_rank, settings.warmup_steps)
     median = statistics.median(slowest)
     tokens = settings.global_batch * BenchModel.trained_by(settings).seq_len
     world = variant.topology.world_size
+    shares = pipeline_shares(
+        per_rank, launched.schedule_s[variant.name], launched.passes_s[variant.name], settings.warmup_steps
+    )
     plan = variant.plan
     layout = f"pp={plan.pp} x dp={plan.dp}, {plan.microbatches} mb, layers {plan.layers_per_stage()}, {plan.sharding}"
     return RunResult(
@@ -124,7 +155,9 @@ def summarize(
         tflops_per_device=profile.flops_per_sample * settings.global_batch / median / world / 1e12,
         predicted_s=plan.prediction.total_s,
         predicted=asdict(plan.prediction),
-        foreign_load=foreign_load,
+        foreign_load=launched.foreign_load,
+        passes_share=None if shares is None else shares[0],
+        waits_share=None if shares is None else shares[1],
     )
 
 
@@ -156,10 +189,31 @@ def run_bench(
     measured: tuple[ModelProfile, LabCalibration],
 ) -> tuple[list[RunResult], dict]:
     """Plan every variant for the `measured` model and rank costs, run each in the lab; returns the results and the
-    run's context for the report."""
+    run's context for the report: with `settings.schedules` also Holmes' run per schedule (`schedule_runs`) and why
+    the planner refused a schedule (`refused_schedules`)."""
     profile, calibration = measured
     hardware = Hardware.derive(hybrid, settings, calibration)
     variants = plan_variants(hardware, profile, settings, requested)
+    scheduled, refused = plan_schedule_variants(hardware, profile, settings, requested)
+    results = run_variants(variants, settings, calibration, profile, out_dir)
+    context = {
+        "calibration": calibration,
+        "profile": profile,
+        "variants": variants,
+        "schedule_runs": run_variants(scheduled, settings, calibration, profile, out_dir),
+        "refused_schedules": refused,
+    }
+    return results, context
+
+
+def run_variants(
+    variants: Sequence[Variant],
+    settings: BenchSettings,
+    calibration: LabCalibration,
+    profile: ModelProfile,
+    out_dir: Path,
+) -> list[RunResult]:
+    """Run each variant in its own launch of the lab, one after another, and summarize its steps."""
     results = []
     for index, variant in enumerate(variants, 1):
         print(f"bench [{index}/{len(variants)}] {variant.name}: {variant.label} on {variant.topology.name}", flush=True)
@@ -171,15 +225,11 @@ def run_bench(
             scale=calibration.bandwidth_scale,
             folder=out_dir / variant.name,
         )
-        per_rank = launched.steps[variant.name]
-        results.append(
-            summarize(variant, per_rank, settings=settings, profile=profile, foreign_load=launched.foreign_load)
-        )
+        results.append(summarize(variant, launched, settings=settings, profile=profile))
         print(
             f"bench [{index}/{len(variants)}] {variant.name}: median step {results[-1].median_s:.3f} s "
             f"(predicted {results[-1].predicted_s:.3f} s), {time.monotonic() - start:.0f} s wall, other work took "
             f"{results[-1].foreign_load:.0%} of the cores",
             flush=True,
         )
-    context = {"calibration": calibration, "profile": profile, "variants": variants}
-    return results, context
+    return results

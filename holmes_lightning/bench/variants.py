@@ -16,7 +16,9 @@ from holmes_lightning.planner import (
     ModelProfile,
     PartitionRule,
     Plan,
+    PlanError,
     PlanOptions,
+    Schedule,
     Sharding,
     best_plan,
     compare_plans,
@@ -44,6 +46,7 @@ LABELS = {
 HYBRID_RUNS = ("holmes_hybrid", "holmes_homogeneous", "nic_unaware", "fsdp", "ddp", FREE_CHOICE)
 UNEQUAL_RUNS = ("holmes_unequal", "uniform_unequal")
 LIGHTNING_STRATEGIES = ("fsdp", "ddp")  # runs of Lightning's own strategies; every other run is HolmesStrategy
+SCHEDULE_RUN = "holmes_schedule_"  # and a schedule's name: Holmes with that schedule (`bench.schedules`)
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,8 @@ class Variant:
 
     @property
     def label(self) -> str:
+        if self.name.startswith(SCHEDULE_RUN):
+            return f"Holmes, {self.plan.schedule.value}"
         return LABELS[self.name]
 
 
@@ -141,8 +146,7 @@ def plan_variants(
     rank, each at its share of this machine's cores), predicted as it runs here (the ranks share the cores)."""
     batch = BatchSettings(settings.global_batch)
     measured = hardware.calibration.calibration
-    devices = measured.as_devices(hardware.hybrid.world_size)
-    hardware = replace(hardware, calibration=replace(hardware.calibration, calibration=devices))
+    hardware, devices = _per_device(hardware)
     options, costs = on_gloo(requested), hardware.costs
     hybrid_runs = [name for name in settings.variants if name in HYBRID_RUNS]
     plans = plan_alternatives(
@@ -161,6 +165,33 @@ def plan_variants(
         )
         for name in settings.variants
     ]
+
+
+def plan_schedule_variants(
+    hardware: Hardware, profile: ModelProfile, settings: BenchSettings, requested: PlanOptions
+) -> tuple[list[Variant], dict[str, str]]:
+    """Holmes on the hybrid cluster with each schedule of `settings.schedules` (None: no runs), the rest as
+    `requested`, planned and predicted as `plan_variants` plans its runs; and per schedule the planner refused, why."""
+    measured = hardware.calibration.calibration
+    hardware, devices = _per_device(hardware)
+    batch, lab = BatchSettings(settings.global_batch), hardware.lab(hardware.hybrid)
+    runs, refused = [], {}
+    for schedule in map(Schedule, settings.schedules or ()):
+        options = replace(on_gloo(requested), schedule=schedule)
+        try:
+            planned = best_plan(lab, profile, batch, options=options, costs=hardware.costs)
+        except PlanError as error:
+            refused[schedule.value] = str(error).splitlines()[-1].strip()
+            continue
+        here = _as_run_here(planned, profile, measured, devices)
+        runs.append(Variant(SCHEDULE_RUN + schedule.value, "holmes", hardware.hybrid, here))
+    return runs, refused
+
+
+def _per_device(hardware: Hardware) -> tuple[Hardware, Calibration]:
+    """`hardware` with its calibration for a device per rank of the hybrid cluster, and that calibration."""
+    devices = hardware.calibration.calibration.as_devices(hardware.hybrid.world_size)
+    return replace(hardware, calibration=replace(hardware.calibration, calibration=devices)), devices
 
 
 def _as_run_here(planned: Plan, profile: ModelProfile, measured: Calibration, devices: Calibration) -> Plan:

@@ -3,7 +3,8 @@
 For each of the spec's runs in turn (`spec["runs"]`: name, strategy and, for Holmes, the plan), trains the spec's
 model (`bench.model.BenchModel`: the recipe's GPT, or an HF causal LM on dict batches) on the byte corpus for the
 given steps under a fresh Trainer; writes this rank's step times per run (seconds between consecutive ends of a
-training step) and losses to `rank<N>.json` in the spec's folder, with its resident memory just before the first model
+training step), losses and, pipelined, the seconds of each step's schedule call and of its passes (`PassTimer`) to
+`rank<N>.json` in the spec's folder, with its resident memory just before the first model
 is built (`baseline_rss_bytes`) and at its peak from then on, and the part of it mapped from files (libraries' code)
 then and at the end. `spec["meta"]`: build the model under `trainer.init_module(empty_init=True)` (HolmesStrategy then
 allocates only this rank's stage).
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -74,6 +75,45 @@ class StepTimer(Callback):
             print(f"  {self.label}: step {len(self.seconds)}/{self.steps} {self.seconds[-1]:.3f} s", flush=True)
 
 
+class PassTimer(Callback):
+    """Per training step of a pipelined HolmesStrategy on this rank: the seconds in its schedule's call (`schedule_s`)
+    and, of those, in its stages' passes (`passes_s`: forward, backward and weight-gradient chunks); the rest of the
+    call is what the rank waited for its neighbours, bubble and transfers. Nothing for a run without a pipeline."""
+
+    def __init__(self) -> None:
+        self.schedule_s: list[float] = []
+        self.passes_s: list[float] = []
+        self._in_schedule = self._in_passes = 0.0
+
+    def on_train_start(self, trainer: L.Trainer, _module: L.LightningModule) -> None:
+        pipeline = getattr(trainer.strategy, "pipeline", None)
+        if pipeline is None:
+            return
+        schedule = pipeline.train_schedule
+        schedule.runner.step = self._timed(schedule.runner.step, "_in_schedule")
+        for stage in schedule.stages:
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                setattr(stage, name, self._timed(getattr(stage, name), "_in_passes"))
+
+    def _timed(self, call: Callable[..., Any], total: str) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                setattr(self, total, getattr(self, total) + time.perf_counter() - start)
+
+        return timed
+
+    def on_train_batch_start(self, *_args: Any) -> None:
+        self._in_schedule = self._in_passes = 0.0
+
+    def on_train_batch_end(self, trainer: L.Trainer, *_args: Any) -> None:
+        if getattr(trainer.strategy, "pipeline", None) is not None:
+            self.schedule_s.append(self._in_schedule)
+            self.passes_s.append(self._in_passes)
+
+
 QUIET_TRAINER = {  # a timed run: no validation, logging, checkpoints or console output
     "limit_val_batches": 0,
     "num_sanity_val_steps": 0,
@@ -114,6 +154,7 @@ def train(spec: dict, run: dict, topology: Topology, rank: int) -> dict:
     )
     trace_step = spec["warmup_steps"] if spec["trace"] else None
     timer = StepTimer(run["name"], spec["steps"], trace_step, out / f"trace_{run['name']}_rank{rank}.json")
+    passes = PassTimer()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=len(topology.node_of(rank).ranks),
@@ -121,7 +162,7 @@ def train(spec: dict, run: dict, topology: Topology, rank: int) -> dict:
         strategy=make_strategy(run, topology, spec["timeout_s"]),
         max_steps=spec["steps"],
         **QUIET_TRAINER,
-        callbacks=[timer],
+        callbacks=[timer, passes],
         default_root_dir=str(out),
     )
     before_model, files_before_model = resident_bytes(), file_resident_bytes()
@@ -138,6 +179,8 @@ def train(spec: dict, run: dict, topology: Topology, rank: int) -> dict:
         "name": run["name"],
         "step_s": timer.seconds,
         "loss": timer.losses,
+        "schedule_s": passes.schedule_s,
+        "passes_s": passes.passes_s,
         "setup_s": setup_s,
         "stage": stage,
         "rss_before_model_bytes": before_model,
