@@ -60,6 +60,8 @@ def test_the_derived_lab_job_splits_its_step_as_the_reference_does():
     requested = PlanOptions(pp=2)
     regime = derive(hybrid, settings, requested=requested, calibrate=measured_alone)
 
+    pipelined = {name: plan.pp for name, plan in regime.reference.plans.items() if name not in ("fsdp", "ddp")}
+    assert set(pipelined.values()) == {2}  # the reference at the degrees the bench pins, as its runs are
     reference = regime.reference.shares
     assert set(reference) == set(SHARES) and sum(reference.values()) <= 1.0 + 1e-9
     chosen = regime.settings(settings)

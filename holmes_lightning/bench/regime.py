@@ -1,9 +1,10 @@
 """`bench=paper_regime`: the lab job whose predicted step splits as the paper setting's does, derived by the planner.
 
-The reference is the planner's own prediction for the paper's setting (`bench.match`: GPT-7.5B on `paper_4ib_4roce`
-at 512 sequences per step), made with the plan CLI's defaults (NCCL): Holmes' plan, its homogeneous limit, the
-NIC-unaware layout, flat FSDP and DDP, as the bench runs them in the lab. Its homogeneous step splits into compute,
-DP sync, p2p and bubble (`SHARES`); Holmes' step against the others' gives the ratios the lab should reproduce.
+The reference is the planner's own prediction for the paper's setting (`bench.match`: GPT-7.5B on `paper_4ib_4roce` at
+512 sequences per step), made at the degrees the bench pins (`strategy.pp=2`) with the plan CLI's defaults (NCCL):
+Holmes' plan, its homogeneous limit, the NIC-unaware layout, flat FSDP and DDP, as the bench runs them in the lab. Its
+homogeneous step splits into compute, DP sync, p2p and bubble (`SHARES`); Holmes' step against the others' gives the
+ratios the lab should reproduce.
 
 The lab job is derived from those numbers, not set by hand. For every candidate model (`match.d_models` x
 `match.seq_lens`, each calibrated on this machine) and global batch (`match.global_batches`), the planner plans the
@@ -63,14 +64,16 @@ class Reference:
     plans: dict[str, Plan]
 
     @classmethod
-    def plan(cls, match: RegimeMatch) -> Reference:
-        """Plan the reference setting as `python -m holmes_lightning.cli.plan` does by default."""
+    def plan(cls, match: RegimeMatch, requested: PlanOptions) -> Reference:
+        """Plan the reference setting at the degrees the bench pins Holmes to (`requested`'s pp and dp: the job's
+        `strategy`, pp=2 by default, as the paper compares at), as `python -m holmes_lightning.cli.plan` does by
+        default otherwise. Left free, the planner takes pp=8 there (one node a stage, DP over NVLink), whose stage
+        that finishes last idles on the busier stages for 45% of the step: no lab job of 4 ranks splits that way."""
         topology = Topology.from_config(match.cluster)
         profile = ModelProfile.from_gpt(match.model)
         batch = BatchSettings(match.global_batch)
-        plans = plan_alternatives(
-            topology, profile, batch, options=PlanOptions(), costs=MachineCosts(), names=MATCHED_RUNS
-        )
+        options = PlanOptions(pp=requested.pp, dp=requested.dp)
+        plans = plan_alternatives(topology, profile, batch, options=options, costs=MachineCosts(), names=MATCHED_RUNS)
         return cls(f"{match.model.name} on {topology.name}", match.global_batch, plans)
 
     @property
@@ -203,7 +206,7 @@ def derive(
     match = settings.match
     if match is None:
         raise ConfigError("bench.match is not set: derive a regime only for a bench that names its reference")
-    reference = reference or Reference.plan(match)
+    reference = reference or Reference.plan(match, requested)
     scales = scale_grid(hybrid)
     best: list[tuple[float, float, Candidate]] = []
     candidates = 0
