@@ -2,7 +2,7 @@
 
 `bench=short` (default, README) takes about 4 minutes on 2 idle cores, `bench=full` (wider model, larger batch, 8
 measured steps) about 8; most of it is process start-up and the flat baselines' slow steps. `bench=paper_regime` (about
-14) derives its job from the planner's prediction for the paper's setting (`bench.regime`) and adds Holmes with the
+12) derives its job from the planner's prediction for the paper's setting (`bench.regime`) and adds Holmes with the
 planner's free choice, and Holmes with each schedule of `bench.schedules`, its bubble measured (`bench.bubbles`);
 `bench=regret` (about 7) measures every configuration of a small job against the planner's choice (`bench.regret`);
 `bench=memory` each rank's peak memory next to the planner's estimate (`bench.memory`); `bench=overhead` HolmesStrategy

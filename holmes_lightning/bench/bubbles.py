@@ -78,7 +78,7 @@ def draw_schedules(path: Path, runs: list[RunResult]) -> None:
         )
     ax.set_xticks(list(positions), [r.label.removeprefix("Holmes, ") for r in runs], fontsize=8)
     ax.set_ylabel("share of the step")
-    ax.set_title("Idle share of the busiest stage per schedule (label: measured step)")
+    ax.set_title("Idle share of the step per schedule: busiest rank measured, last stage predicted (label: step)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
