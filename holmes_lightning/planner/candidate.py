@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -45,8 +44,7 @@ class Candidate:
     each stage runs the first whose memory fits `memory_limit` (its level). Checkpointed layers keep only their input
     per micro-batch and run their forward again in backward, their stash back in memory meanwhile.
     `memory_ceiling`: bytes per device a stage may take at its level (None: the limit alone); lowering it looks for
-    plans that take less memory without turning on more checkpointing; `least_refused`: the least memory it ruled out
-    so far (every answer so far is the same under any ceiling below it).
+    plans that take less memory without turning on more checkpointing (the least-memory pass lowers it as it goes).
     """
 
     layout: Layout
@@ -60,7 +58,6 @@ class Candidate:
     range_costs: RangeCosts = field(default_factory=lambda: RangeCosts())
     checkpointing: tuple[Checkpointing, ...] = (Checkpointing.off,)
     memory_ceiling: float | None = None
-    least_refused: float = field(default=math.inf, init=False)  # the least memory the ceiling ruled out so far
 
     def __post_init__(self) -> None:
         self.schedule = Schedule(self.schedule)
@@ -273,10 +270,7 @@ class Candidate:
         return None
 
     def _under_ceiling(self, memory: float) -> bool:
-        if self.memory_ceiling is None or memory <= self.memory_ceiling:
-            return True
-        self.least_refused = min(self.least_refused, memory)
-        return False
+        return self.memory_ceiling is None or memory <= self.memory_ceiling
 
     def range_cost(self, virtual_stage: int, start: int, stop: int) -> tuple[float, float, float, float, float] | None:
         """(forward, backward, send, tail, weight) seconds of one virtual stage alone; None if it alone exceeds
@@ -344,6 +338,10 @@ class Candidate:
             self._level_and_memory(s, sum(self.param_bytes(*own) for own in ranges), ranges)
             for s, ranges in enumerate(owned)
         ]
+
+    def peak_bytes(self, counts: Sequence[int]) -> float:
+        """The most memory a stage takes at its level, for layers per virtual stage `counts` that fit the limit."""
+        return max(entry[1] for entry in self.stage_levels(counts) if entry is not None)
 
     def step_s(self, counts: Sequence[int]) -> float | None:
         """The simulated step of layers per virtual stage `counts` (None: a stage exceeds the memory limit or

@@ -39,7 +39,7 @@ from holmes_lightning.planner.search import Found, SearchStats, search
 from holmes_lightning.topology import Topology
 
 STEP_TOLERANCE = 0.02  # plans predicted this much slower than the fastest count as fast: the least memory wins
-MEMORY_RESOLUTION = 0.01  # the least memory is found to this share of the fastest plan's peak
+MEMORY_RESOLUTION = 0.001  # the least memory is found to this share of the fastest plan's peak
 
 
 class PlanError(ValueError):
@@ -141,12 +141,7 @@ def best_plan(
         raise PlanError(f"no feasible plan for {topology.name!r} and {profile.name!r}:\n  {reasons}")
     slowest = fastest.step_s * (1 + STEP_TOLERANCE)
     chosen = _least_memory(
-        fastest,
-        lambda ceiling, hopeless: candidates(ceiling, lambda p: lower[p] < slowest and ceiling >= hopeless.get(p, 0.0)),
-        fixed,
-        stats,
-        tables,
-        paths,
+        fastest, lambda ceiling: candidates(ceiling, lambda p: lower[p] < slowest), fixed, stats, tables, paths
     )
     more = () if chosen is fastest else (_memory_note(chosen, fastest),)
     return _as_plan(chosen.candidate, chosen.counts, options, bound, more)
@@ -191,45 +186,35 @@ def _best_schedule(
 
 def _least_memory(
     fastest: Found,
-    candidates: Callable[[float, dict[tuple[int, ...], float]], list[tuple[tuple[int, ...], Candidate]]],
+    candidates: Callable[[float], list[tuple[tuple[int, ...], Candidate]]],
     fixed: Callable[[Candidate], tuple[int, ...] | None],
     stats: SearchStats,
     tables: dict[tuple[int, ...], SuffixBounds],
     paths: dict[tuple, CriticalPaths],
 ) -> Found:
     """Of the plans predicted within `STEP_TOLERANCE` of `fastest`, one taking the least peak memory per device (to
-    `MEMORY_RESOLUTION` of `fastest`'s): a bisection on a memory ceiling, each step a search for any plan under that
-    ceiling and step.
-    `candidates(ceiling, hopeless)`: those that may have a plan that fast (their bound from the first search says so),
-    less those an earlier step found to have none under a ceiling below `hopeless[preference]`;
-    `tables`: the first search's suffix tables, per preference; `paths`: its critical paths, per schedule order.
+    `MEMORY_RESOLUTION` of `fastest`'s): one search for any plan that fast under a memory ceiling just below
+    `fastest`'s peak, each plan it finds lowering the ceiling to just below its own, the search going on under it.
+    `candidates(ceiling)`: those that may have a plan that fast (their bound from the first search says so), under
+    that ceiling; `tables`: the first search's suffix tables, per preference; `paths`: its critical paths, per
+    schedule order.
 
     The ceiling never turns on more activation checkpointing than the memory limit needs; it only rules plans out.
     """
-    peak = _peak_bytes(fastest)
-    slowest = fastest.step_s * (1 + STEP_TOLERANCE)
-    chosen, low, high = fastest, 0.0, peak
-    hopeless: dict[tuple[int, ...], float] = {}
-    while high - low > MEMORY_RESOLUTION * peak:
-        stats.memory_searches += 1
-        middle = (low + high) / 2
-        apart = SearchStats.reporting(stats.partitions.report, stats.partitions.report_every_s)  # counted apart
-        found = search(
-            candidates(middle, hopeless),
-            fixed,
-            apart,
-            lambda *_: None,
-            ceiling=slowest,
-            first=True,
-            tables=tables,
-            paths=paths,
-            hopeless=hopeless,
-        )
-        if found is None:
-            low = middle
-        else:
-            chosen, high = found, _peak_bytes(found)
-    return chosen
+    step = MEMORY_RESOLUTION * _peak_bytes(fastest)
+    stats.memory_searches += 1
+    apart = SearchStats.reporting(stats.partitions.report, stats.partitions.report_every_s)  # counted apart
+    found = search(
+        candidates(_peak_bytes(fastest) - step),
+        fixed,
+        apart,
+        lambda *_: None,
+        ceiling=fastest.step_s * (1 + STEP_TOLERANCE),
+        tables=tables,
+        paths=paths,
+        lowering=step,
+    )
+    return fastest if found is None else found
 
 
 def _peak_bytes(found: Found) -> float:

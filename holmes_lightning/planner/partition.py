@@ -195,11 +195,13 @@ def search_partition(
     *,
     first: bool = False,
     paths: CriticalPaths | None = None,
+    lowering: float | None = None,
 ) -> tuple[tuple[int, ...], float] | None:
     """The split with the least simulated step below `bar`, and that step (None: no split gets below `bar`);
-    `first`: the first split found below `bar` instead; `paths`: critical paths of the candidate's schedule order
-    found so far, to bound by (`cuts`; an empty pool gets the uniform split's) and to add those of the splits
-    simulated to."""
+    `first`: the first split found below `bar` instead; `lowering` (bytes): every split found below `bar` lowers the
+    candidate's memory ceiling to its peak less `lowering` and the search goes on under it, `bar` kept: the last found
+    takes the least memory, to `lowering`; `paths`: critical paths of the candidate's schedule order found so far, to
+    bound by (`cuts`; an empty pool gets the uniform split's) and to add those of the splits simulated to."""
     if tables is None or bar < tables.bar * REBUILD:
         tables = suffix_bounds(candidate, bar)
     sharing = candidate.sharing
@@ -207,7 +209,7 @@ def search_partition(
         paths = None  # one stage has no path to bound; shared cores stretch actions beyond what a path counts
     elif paths is not None and not paths.found:  # a first path to bound by: the uniform split's
         paths.add(critical_path(candidate, uniform_partition(candidate.num_layers, candidate.virtual)))
-    search = _Search(candidate, tables, stats, bar, first, paths)
+    search = _Search(candidate, tables, stats, bar, first, paths, lowering)
     search.extend(_Path(), 0, 0.0)
     return search.best
 
@@ -221,8 +223,10 @@ class _Search:
         bar: float,
         first: bool,
         paths: CriticalPaths | None,
+        lowering: float | None,
     ):
         self.candidate, self.tables, self.stats, self.bar, self.first = candidate, tables, stats, bar, first
+        self.lowering = lowering
         self.paths, self.cuts, self.began = paths, None, stats.nodes  # `cuts`: built once the search runs long
         self.tried_paths = self.cut_by_paths = 0  # calls to `cuts`, and children they alone cut
         self.best: tuple[tuple[int, ...], float] | None = None
@@ -332,14 +336,14 @@ class _Search:
             self.paths.add(found)
             step = self.candidate.step_s(counts)
             if step < self.bar:
-                self.best, self.bar = (counts, step), step * (1 - 1e-9)
+                self._found(counts, step)
                 if self.first:
                     return ways
         return self.cuts.completions(ranges, v, start, self.bar, MOST_LENGTHS)
 
     def _bound_by_paths(self, path: _Path, v: int, start: int, children: list[_Child]) -> None:
         """Raise the children's bounds to the critical paths' (`cuts`) from `PATHS_AFTER` partial splits on. A search
-        for any split under the bar (`first`: the least-memory pass, whose bar does not fall) drops them if in its
+        for any split under a bar that does not fall (`first`, `lowering`: the least-memory pass) drops them if in its
         first `PATHS_TRIAL` calls they cut fewer than `PATHS_USEFUL` children a call that nothing else would."""
         if self.cuts is None:
             if self.stats.nodes - self.began < PATHS_AFTER:
@@ -354,7 +358,8 @@ class _Search:
             if cut * (1 - ROUNDING) >= self.bar > child.bound * (1 - ROUNDING):
                 self.cut_by_paths += 1
             child.bound = max(child.bound, cut)
-        if self.first and self.tried_paths == PATHS_TRIAL and self.cut_by_paths < PATHS_USEFUL * PATHS_TRIAL:
+        steady = self.first or self.lowering is not None  # a bar that does not fall
+        if steady and self.tried_paths == PATHS_TRIAL and self.cut_by_paths < PATHS_USEFUL * PATHS_TRIAL:
             self.paths = self.cuts = None
 
     def _describe(self) -> str:
@@ -517,6 +522,19 @@ class _Search:
         self.stats.simulated += 1
         if self.cuts is not None and step is not None:  # a long search's leaves
             self.paths.add(critical_path(c, counts))
-        if step is not None and step < self.bar:
-            self.best = (counts, step)
+        if step is not None and step < self.bar and self._fits(counts):
+            self._found(counts, step)
+
+    def _fits(self, counts: tuple[int, ...]) -> bool:
+        """With `lowering`, whether the split fits the memory ceiling as lowered since its ranges were placed."""
+        return self.lowering is None or self.candidate.peak_bytes(counts) <= self.candidate.memory_ceiling
+
+    def _found(self, counts: tuple[int, ...], step: float) -> None:
+        """A split under the bar: the best so far; the bar falls to its step, or with `lowering` the memory ceiling
+        to its peak less that (the costs kept under the ceiling before dropped)."""
+        self.best = (counts, step)
+        if self.lowering is None:
             self.bar = step * (1 - 1e-9)
+            return
+        self.candidate.memory_ceiling = self.candidate.peak_bytes(counts) - self.lowering
+        self.chunk_costs.clear()

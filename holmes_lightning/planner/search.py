@@ -66,8 +66,8 @@ class SearchStats:
                 f"busiest stage's share), {self.cut_tables} by the least bound over all their splits",
                 f"  split searches: {self.searched}; partial splits visited {p.nodes}, branches cut by their bound "
                 f"{p.cut}, ranges over the memory limit {p.too_big}, whole splits simulated {p.simulated}",
-                f"  less memory: {self.memory_searches} searches under a memory ceiling, each for a plan within the "
-                f"step tolerance of the fastest",
+                f"  less memory: {self.memory_searches} search for plans within the step tolerance of the fastest "
+                f"under a memory ceiling, lowered below each plan it finds",
             ]
         )
 
@@ -97,7 +97,7 @@ def search(
     first: bool = False,
     tables: dict[tuple[int, ...], SuffixBounds] | None = None,
     paths: dict[tuple, CriticalPaths] | None = None,
-    hopeless: dict[tuple[int, ...], float] | None = None,
+    lowering: float | None = None,
 ) -> Found | None:
     """The best (candidate, split) of `candidates` (preference, candidate) with a step under `ceiling`; `fixed`: the
     requested split, if any.
@@ -109,9 +109,9 @@ def search(
     bar no lower, and to fill with those of candidates without a memory ceiling (a ceiling only rules splits out, so
     those bound the same candidate under any ceiling; not the other way round). `paths`: per schedule order
     (`cuts.path_key`), the critical paths of the splits simulated, to bound splits by and to add to (a split's
-    critical path bounds any split under any ceiling). `hopeless`: gets, per preference of a candidate found to have
-    no split under `ceiling`, the least memory its memory ceiling ruled out: it has none under any ceiling below that
-    either (what the ceiling let through or ruled out stays so).
+    critical path bounds any split under any ceiling). `lowering` (bytes; the least-memory pass): every plan found
+    under `ceiling` lowers the memory ceiling of the candidates to its peak less `lowering` and the search goes on
+    under it, `ceiling` kept: the last plan found takes the least memory of all, to `lowering`.
     """
     stats.candidates += len(candidates)
     best: Found | None = None
@@ -119,10 +119,22 @@ def search(
 
     def offer(preference: tuple[int, ...], candidate: Candidate, counts: tuple[int, ...], step: float) -> None:
         nonlocal best
-        if step < (best.bar(preference) if best else ceiling):
+        if step < bar_of(preference):
             best = Found(step, preference, candidate, counts)
+            if lowering is not None:  # and the candidates after it under its memory
+                memory[0] = candidate.memory_ceiling = candidate.peak_bytes(counts) - lowering
 
+    def bar_of(preference: tuple[int, ...]) -> float:
+        return best.bar(preference) if best and lowering is None else ceiling
+
+    def lowered(candidate: Candidate) -> Candidate:
+        if lowering is not None:
+            candidate.memory_ceiling = min(candidate.memory_ceiling, memory[0])
+        return candidate
+
+    memory = [math.inf]  # with `lowering`: the memory ceiling as lowered so far
     for preference, candidate in candidates:
+        lowered(candidate)
         counts = fixed(candidate) or uniform_partition(candidate.num_layers, candidate.virtual)
         step = candidate.step_s(counts)
         stats.seeded += 1
@@ -137,7 +149,7 @@ def search(
     if any(fixed(candidate) is not None for _, candidate in candidates):
         return best
     quick = sorted((quick_bound(c), p, c) for p, c in candidates)
-    if not first:  # a better incumbent: the balanced splits of candidates that may still win, the best descended
+    if not first and lowering is None:  # a better incumbent: balanced splits of candidates that may win, descended
         seeds = []
         for bound, preference, candidate in quick:
             if best is not None and bound >= best.step_s:
@@ -155,7 +167,7 @@ def search(
     survivors = []
     for bound, preference, candidate in quick:
         lower[preference] = bound
-        bar = best.bar(preference) if best else ceiling
+        bar = bar_of(preference)
         if bound * (1 - ROUNDING) >= bar:
             stats.cut_quick += 1
             continue
@@ -169,39 +181,28 @@ def search(
             infeasible(candidate, None)
         if root * (1 - ROUNDING) >= bar:
             stats.cut_tables += 1
-            _give_up(hopeless, preference, candidate, best)
             continue
         survivors.append((root, preference, candidate, kept))
     paths = {} if paths is None else paths
     if best is not None:
         paths.setdefault(path_key(best.candidate), CriticalPaths()).add(critical_path(best.candidate, best.counts))
     for root, preference, candidate, kept in sorted(survivors, key=lambda entry: entry[:2]):
-        bar = best.bar(preference) if best else ceiling
+        bar = bar_of(preference)
         if root * (1 - ROUNDING) >= bar:
             stats.cut_tables += 1
             continue
         stats.searched += 1
         stats.partitions.progress(partial(_next_search, candidate, best))
         pool = paths.setdefault(path_key(candidate), CriticalPaths())
-        found = search_partition(candidate, bar, stats.partitions, kept, first=first, paths=pool)
+        partitions = stats.partitions
+        found = search_partition(lowered(candidate), bar, partitions, kept, first=first, paths=pool, lowering=lowering)
         if found is not None:
             offer(preference, candidate, *found)
             if first:
                 return best
-        else:
-            _give_up(hopeless, preference, candidate, best)
-            if bar == math.inf:
-                infeasible(candidate, None)
+        elif bar == math.inf:
+            infeasible(candidate, None)
     return best
-
-
-def _give_up(
-    hopeless: dict[tuple[int, ...], float] | None, preference: tuple[int, ...], candidate: Candidate, best: Found | None
-) -> None:
-    """A candidate has no split under the search's bar: if that bar is the search's ceiling (no plan found yet), note
-    in `hopeless` the least memory its ceiling ruled out."""
-    if hopeless is not None and best is None:
-        hopeless[preference] = candidate.least_refused
 
 
 def _next_search(candidate: Candidate, best: Found | None) -> str:
