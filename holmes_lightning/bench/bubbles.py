@@ -68,14 +68,7 @@ def draw_schedules(path: Path, runs: list[RunResult]) -> None:
     predicted = [predicted_shares(r) for r in runs]
     ax.bar(list(positions), [idle for _, idle, _ in predicted], width, label="bubble + p2p, predicted")
     ax.bar([p + width for p in positions], [bubble for *_, bubble in predicted], width, label="bubble, predicted")
-    for bar, r in zip(waits, runs, strict=True):
-        ax.annotate(
-            f"{r.median_s:.2f} s",
-            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-            ha="center",
-            va="bottom",
-            fontsize=8,
-        )
+    ax.bar_label(waits, labels=[f"{r.median_s:.2f} s" for r in runs], fontsize=8)
     ax.set_xticks(list(positions), [r.label.removeprefix("Holmes, ") for r in runs], fontsize=8)
     ax.set_ylabel("share of the step")
     ax.set_title("Idle share of the step per schedule: busiest rank measured, last stage predicted (label: step)")

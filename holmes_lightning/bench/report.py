@@ -293,14 +293,7 @@ def draw(path: Path, results: list[RunResult]) -> None:
     measured = ax.bar([p - width / 2 for p in positions], [r.median_s for r in results], width, label="measured")
     ax.bar([p + width / 2 for p in positions], [r.predicted_s for r in results], width, label="predicted (planner)")
     if reference:
-        for bar, r in zip(measured, results, strict=True):
-            ax.annotate(
-                f"{r.median_s / reference:.2f}x",
-                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                ha="center",
-                va="bottom",
-                fontsize=9,
-            )
+        ax.bar_label(measured, labels=[f"{r.median_s / reference:.2f}x" for r in results], fontsize=9)
     ax.set_xticks(list(positions), [r.label.replace(", ", ",\n") for r in results], fontsize=8)
     ax.set_ylabel("seconds per step (median)")
     ax.set_title("Step time in the lab (label: step / Holmes-hybrid's; lower is faster)")
