@@ -7,7 +7,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from holmes_lightning.bench.calibrate import LabCalibration, calibrate
@@ -84,8 +84,8 @@ class Launch:
 
     steps: dict[str, list[list[float]]]
     foreign_load: float
-    schedule_s: dict[str, list[list[float]]] = field(default_factory=dict)
-    passes_s: dict[str, list[list[float]]] = field(default_factory=dict)
+    schedule_s: dict[str, list[list[float]]]
+    passes_s: dict[str, list[list[float]]]
 
 
 def launch_runs(

@@ -115,24 +115,24 @@ def search(
     """
     stats.candidates += len(candidates)
     best: Found | None = None
+    memory = math.inf  # with `lowering`: the memory ceiling as lowered so far
     lower = {} if lower is None else lower
 
     def offer(preference: tuple[int, ...], candidate: Candidate, counts: tuple[int, ...], step: float) -> None:
-        nonlocal best
+        nonlocal best, memory
         if step < bar_of(preference):
             best = Found(step, preference, candidate, counts)
             if lowering is not None:  # and the candidates after it under its memory
-                memory[0] = candidate.memory_ceiling = candidate.peak_bytes(counts) - lowering
+                memory = candidate.memory_ceiling = candidate.peak_bytes(counts) - lowering
 
     def bar_of(preference: tuple[int, ...]) -> float:
         return best.bar(preference) if best and lowering is None else ceiling
 
     def lowered(candidate: Candidate) -> Candidate:
         if lowering is not None:
-            candidate.memory_ceiling = min(candidate.memory_ceiling, memory[0])
+            candidate.memory_ceiling = min(candidate.memory_ceiling, memory)
         return candidate
 
-    memory = [math.inf]  # with `lowering`: the memory ceiling as lowered so far
     for preference, candidate in candidates:
         lowered(candidate)
         counts = fixed(candidate) or uniform_partition(candidate.num_layers, candidate.virtual)
