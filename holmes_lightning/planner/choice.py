@@ -39,7 +39,7 @@ from holmes_lightning.planner.search import Found, SearchStats, search
 from holmes_lightning.topology import Topology
 
 STEP_TOLERANCE = 0.02  # plans predicted this much slower than the fastest count as fast: the least memory wins
-MEMORY_RESOLUTION = 0.001  # the least memory is found to this share of the fastest plan's peak
+MEMORY_RESOLUTION = 0.01  # the least memory is found to this share of the fastest plan's peak
 
 
 class PlanError(ValueError):
@@ -133,15 +133,30 @@ def best_plan(
     lower: dict[tuple[int, ...], float] = {}
     tables: dict[tuple[int, ...], SuffixBounds] = {}
     paths: dict[tuple, CriticalPaths] = {}
+    descended: list[Found] = []
     fastest = search(
-        candidates(None), fixed, stats, infeasible, lower=lower, slack=STEP_TOLERANCE, tables=tables, paths=paths
+        candidates(None),
+        fixed,
+        stats,
+        infeasible,
+        lower=lower,
+        slack=STEP_TOLERANCE,
+        tables=tables,
+        paths=paths,
+        descended=descended,
     )
     if fastest is None:
         reasons = "\n  ".join(dict.fromkeys(problems)) or "no layout fits"
         raise PlanError(f"no feasible plan for {topology.name!r} and {profile.name!r}:\n  {reasons}")
     slowest = fastest.step_s * (1 + STEP_TOLERANCE)
     chosen = _least_memory(
-        fastest, lambda ceiling: candidates(ceiling, lambda p: lower[p] < slowest), fixed, stats, tables, paths
+        fastest,
+        min([fastest, *(seed for seed in descended if seed.step_s < slowest)], key=_peak_bytes),
+        lambda ceiling: candidates(ceiling, lambda p: lower[p] < slowest),
+        fixed,
+        stats,
+        tables,
+        paths,
     )
     more = () if chosen is fastest else (_memory_note(chosen, fastest),)
     return _as_plan(chosen.candidate, chosen.counts, options, bound, more)
@@ -186,6 +201,7 @@ def _best_schedule(
 
 def _least_memory(
     fastest: Found,
+    start: Found,
     candidates: Callable[[float], list[tuple[tuple[int, ...], Candidate]]],
     fixed: Callable[[Candidate], tuple[int, ...] | None],
     stats: SearchStats,
@@ -194,7 +210,8 @@ def _least_memory(
 ) -> Found:
     """Of the plans predicted within `STEP_TOLERANCE` of `fastest`, one taking the least peak memory per device (to
     `MEMORY_RESOLUTION` of `fastest`'s): one search for any plan that fast under a memory ceiling just below
-    `fastest`'s peak, each plan it finds lowering the ceiling to just below its own, the search going on under it.
+    `start`'s peak (a plan that fast: `fastest`, or a descended seed that takes less memory), each plan it finds
+    lowering the ceiling to just below its own, the search going on under it.
     `candidates(ceiling)`: those that may have a plan that fast (their bound from the first search says so), under
     that ceiling; `tables`: the first search's suffix tables, per preference; `paths`: its critical paths, per
     schedule order.
@@ -205,7 +222,7 @@ def _least_memory(
     stats.memory_searches += 1
     apart = SearchStats.reporting(stats.partitions.report, stats.partitions.report_every_s)  # counted apart
     found = search(
-        candidates(_peak_bytes(fastest) - step),
+        candidates(_peak_bytes(start) - step),
         fixed,
         apart,
         lambda *_: None,
@@ -214,7 +231,7 @@ def _least_memory(
         paths=paths,
         lowering=step,
     )
-    return fastest if found is None else found
+    return start if found is None else found
 
 
 def _peak_bytes(found: Found) -> float:

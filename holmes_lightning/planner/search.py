@@ -98,6 +98,7 @@ def search(
     tables: dict[tuple[int, ...], SuffixBounds] | None = None,
     paths: dict[tuple, CriticalPaths] | None = None,
     lowering: float | None = None,
+    descended: list[Found] | None = None,
 ) -> Found | None:
     """The best (candidate, split) of `candidates` (preference, candidate) with a step under `ceiling`; `fixed`: the
     requested split, if any.
@@ -111,7 +112,8 @@ def search(
     (`cuts.path_key`), the critical paths of the splits simulated, to bound splits by and to add to (a split's
     critical path bounds any split under any ceiling). `lowering` (bytes; the least-memory pass): every plan found
     under `ceiling` lowers the memory ceiling of the candidates to its peak less `lowering` and the search goes on
-    under it, `ceiling` kept: the last plan found takes the least memory of all, to `lowering`.
+    under it, `ceiling` kept: the last plan found takes the least memory of all, to `lowering`. `descended`, if
+    given, gets the seeds the search descended, each as the plan it reached (for the least-memory pass to start from).
     """
     stats.candidates += len(candidates)
     best: Found | None = None
@@ -163,7 +165,10 @@ def search(
         for step, preference, candidate, counts in sorted(seeds, key=lambda seed: seed[:2]):
             if step > seeds_best * (1 + DESCEND_WITHIN):
                 break
-            offer(preference, candidate, *descend(candidate, counts, step))
+            counts, step = descend(candidate, counts, step)
+            offer(preference, candidate, counts, step)
+            if descended is not None:
+                descended.append(Found(step, preference, candidate, counts))
     survivors = []
     for bound, preference, candidate in quick:
         lower[preference] = bound
