@@ -235,7 +235,7 @@ def _least_memory(
 
 
 def _peak_bytes(found: Found) -> float:
-    return max(stage.memory_gb for stage in found.candidate.stage_plans(found.counts)) * GB
+    return found.candidate.peak_bytes(found.counts)
 
 
 def _memory_note(chosen: Found, fastest: Found) -> str:
