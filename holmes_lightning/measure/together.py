@@ -62,9 +62,9 @@ def handoff(
     """A pipeline's hand-off between two ranks, timed while every rank computes.
 
     Every rank of the default group calls it. Ranks pair up (`partners[rank]`, -1: none; default 0-1, 2-3, ...); all
-    first compute `rounds` bursts of `burst_s` (this thread's CPU time, whatever else runs), then compute as much and
-    swap a message with their partner after each burst, the device synchronised after each (NCCL returns when the
-    work is queued), one exchange before both to build the communicators; the difference per message is its latency
+    compute `rounds` bursts of `burst_s` (this thread's CPU time, whatever else runs) alternating with as many after
+    which they swap a message with their partner, the device synchronised after each (NCCL returns when the work is
+    queued), one exchange before all to build the communicators; the difference per message is its latency
     (on a CPU whose cores the ranks share, mostly the time a woken rank waits for one) and its CPU. Every rank gets
     the means over the pairs.
     """
@@ -114,17 +114,20 @@ def step_collectives_s(
 def _extra_per_round(
     action: Callable[[], None], device: torch.device, *, burst_s: float, rounds: int
 ) -> tuple[float, float]:
-    """What `action` adds to each of `rounds` bursts of computing `burst_s` (this thread's CPU time) on every rank:
-    wall seconds, and CPU seconds of this process (all its threads). The action runs once before (warming up its
-    communicators), and the device is synchronised after each (its collectives done, not only queued)."""
+    """What `action` adds to a burst of computing `burst_s` (this thread's CPU time) on every rank: wall seconds, and
+    CPU seconds of this process (all its threads). `rounds` bursts alone alternate with as many followed by the
+    action; the medians' difference (a sum's difference let one preempted burst hide the action). The action runs
+    once before (warming up its communicators), and the device is synchronised after each (its collectives done, not
+    only queued)."""
     work = torch.full((64, 64), 0.01, device=device)
     action()
     synchronize(device)
-    measured = []
-    for act in (False, True):
-        dist.barrier()
-        wall, cpu = time.perf_counter(), time.process_time()
-        for _ in range(rounds):
+    walls: dict[bool, list[float]] = {False: [], True: []}
+    cpus: dict[bool, list[float]] = {False: [], True: []}
+    dist.barrier()
+    for _ in range(rounds):
+        for act in (False, True):
+            wall, cpu = time.perf_counter(), time.process_time()
             until = time.thread_time() + burst_s
             while time.thread_time() < until:
                 torch.mm(work, work)
@@ -132,9 +135,11 @@ def _extra_per_round(
             if act:
                 action()
                 synchronize(device)
-        measured.append((time.perf_counter() - wall, time.process_time() - cpu))
-    (wall_alone, cpu_alone), (wall, cpu) = measured
-    return max(wall - wall_alone, 0.0) / rounds, max(cpu - cpu_alone, 0.0) / rounds
+            walls[act].append(time.perf_counter() - wall)
+            cpus[act].append(time.process_time() - cpu)
+    extra_wall = statistics.median(walls[True]) - statistics.median(walls[False])
+    extra_cpu = statistics.median(cpus[True]) - statistics.median(cpus[False])
+    return max(extra_wall, 0.0), max(extra_cpu, 0.0)
 
 
 def transfer_cpu_s_per_byte(nbytes: int = TRANSFER_BYTES, rounds: int = TRANSFER_ROUNDS) -> float:
