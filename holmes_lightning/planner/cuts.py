@@ -73,7 +73,7 @@ def critical_path(candidate: Candidate, counts: tuple[int, ...]) -> CriticalPath
 
 class PathTables:
     """One candidate's bounds from `paths`: per path and virtual stage v, the least length over virtual stages
-    v, v + 1, ... of any ranges of layers [start, L) (`least[v, start, path]`), each range at its stage's
+    v, v + 1, ... of any ranges of layers [start, L) (`least[v, path, start]`), each range at its stage's
     cheapest checkpointing level that fits (later chunks can only raise it). A path's tail counts as the pipeline's
     closing collective plus the shares of its stage's chunks (`Candidate.tail_share_s`), at most the tail."""
 
@@ -97,10 +97,10 @@ class PathTables:
             terms, invalid = _range_terms(c, v)
             window = (slice(v, layers - later), slice(v + 1 if later else layers, layers - later + 1))
             self.terms[v][window], self.invalid[v][window] = terms[window], invalid[window]
-        # per path (the last axis, so rows of ways or stops gather contiguously): its coefficients per virtual stage
-        # and term, and its least length from virtual stage v and layer start on
-        self.coef = np.zeros((virtual, TERMS, 0))
-        self.least = np.zeros((virtual + 1, layers + 1, 0))
+        # per virtual stage and path (the paths one row each, so the lengths of many ways reduce over the paths row
+        # by row): the path's coefficients per term, and its least length from virtual stage v and layer start on
+        self.coef = np.zeros((virtual, 0, TERMS))
+        self.least = np.zeros((virtual + 1, 0, layers + 1))
         self.placed: list[tuple[int, int]] = []  # the ranges `prefix` holds: prefix[d], the paths' lengths over d
         self.prefix: list[np.ndarray] = []
         self.sync()
@@ -123,17 +123,17 @@ class PathTables:
                 for p in (found[i] for i in changed)
             ],
             dtype=float,
-        ).transpose(0, 2, 1)  # (paths, virtual, terms)
+        ).transpose(2, 0, 1)  # (virtual, paths, terms)
         least = np.full((len(changed), virtual + 1, size), np.inf)
         least[:, virtual, size - 1] = 0.0
-        lengths = np.einsum("vabj,pvj->pvab", self.terms, coef) + self.invalid
+        lengths = np.einsum("vabj,vpj->pvab", self.terms, coef) + self.invalid
         for v in range(virtual - 1, -1, -1):
             least[:, v] = (lengths[:, v] + least[:, v + 1, None, :]).min(axis=2)
         grown = len(found) - len(self.versions)
         if grown:
-            self.coef = np.concatenate([self.coef, np.zeros((*self.coef.shape[:2], grown))], axis=2)
-            self.least = np.concatenate([self.least, np.zeros((*self.least.shape[:2], grown))], axis=2)
-        self.coef[..., changed], self.least[..., changed] = coef.transpose(1, 2, 0), least.transpose(1, 2, 0)
+            self.coef = np.concatenate([self.coef, np.zeros((virtual, grown, TERMS))], axis=1)
+            self.least = np.concatenate([self.least, np.zeros((virtual + 1, grown, size))], axis=1)
+        self.coef[:, changed], self.least[:, changed] = coef, least.transpose(1, 0, 2)
         self.versions = list(versions)
         self.placed, self.prefix = [], [np.full(len(found), self.candidate.closing_s)]
 
@@ -143,11 +143,11 @@ class PathTables:
         self.sync()
         if not self.versions:
             return None
-        lengths = self.terms[v, start, stops] @ self.coef[v]  # (stops, paths)
-        bounds = self._placed_s(ranges, v)[None, :] + lengths + self.least[v + 1, stops]
+        lengths = self.coef[v] @ self.terms[v, start, stops].T  # (paths, stops)
+        bounds = self._placed_s(ranges, v)[:, None] + lengths + self.least[v + 1][:, stops]
         if len(self.versions) >= MOST_PATHS:  # which paths bound, for the pool to keep them
-            self.paths.used += np.bincount(bounds.argmax(axis=1), minlength=len(self.versions))
-        return bounds.max(axis=1)
+            self.paths.used += np.bincount(bounds.argmax(axis=0), minlength=len(self.versions))
+        return bounds.max(axis=0)
 
     def completions(
         self, ranges: list[tuple[int, int]], v: int, start: int, bar: float, budget: int
@@ -162,26 +162,39 @@ class PathTables:
         if not self.versions:
             return None
         virtual, layers = self.terms.shape[0], self.terms.shape[1] - 1
-        lengths = self._placed_s(ranges, v)[None, :]  # (ways, paths)
-        starts, stops = np.array([start]), np.zeros((1, 0), dtype=int)
+        lengths = self._placed_s(ranges, v)[:, None]  # (paths, ways)
+        starts = np.array([start])
+        parents, chosen = [], []  # per level: each way's way at the level before, and its stop
+        threshold = bar / (1 - ROUNDING)
+        invalid, terms = self.invalid.reshape(virtual, -1), self.terms.reshape(virtual, -1, TERMS)
         for u in range(v, virtual):
-            last = layers - (virtual - 1 - u)  # the most layers virtual stage u may end at
-            first = np.full_like(starts, layers) if u == virtual - 1 else starts + 1
-            counts = last - first + 1  # the stops each way so far may take next
-            ways = np.repeat(np.arange(len(starts)), counts)
+            if u == virtual - 1:  # the last virtual stage takes the layers left
+                ways, ends = np.arange(len(starts)), np.full_like(starts, layers)
+            else:  # each way so far may stop virtual stage u anywhere after its start, leaving a layer to each after
+                counts = layers - (virtual - 1 - u) - starts
+                ways = np.repeat(np.arange(len(starts)), counts)
+                ends = np.arange(len(ways)) - np.repeat(np.cumsum(counts) - counts - starts - 1, counts)
             if len(ways) * len(self.versions) > budget:
                 return None
-            ends = np.arange(len(ways)) - np.repeat(np.cumsum(counts) - counts, counts) + np.repeat(first, counts)
-            begins = starts[ways]
-            fits = (self.invalid[u, begins, ends] == 0.0).nonzero()[0]  # the range fits some memory level
-            ways, begins, ends = ways[fits], begins[fits], ends[fits]
-            grown = lengths[ways] + self.terms[u, begins, ends] @ self.coef[u]
-            alive = ((grown + self.least[u + 1, ends]).max(axis=1) * (1 - ROUNDING) < bar).nonzero()[0]
+            ranges_at = starts.take(ways) * (layers + 1) + ends  # [start, end) as a flat index into u's tables
+            grown = lengths.take(ways, axis=1)
+            grown += self.coef[u] @ terms[u].take(ranges_at, axis=0).T
+            reach = self.least[u + 1].take(ends, axis=1)
+            reach += grown
+            most = reach.max(axis=0)
+            most += invalid[u].take(ranges_at)  # inf where the range fits no memory level
+            alive = (most < threshold).nonzero()[0]
             if not len(alive):  # no way left
                 return np.zeros((0, virtual - v), dtype=int)
-            lengths, starts = grown[alive], ends[alive]
-            stops = np.concatenate([stops[ways[alive]], starts[:, None]], axis=1)
-        return stops[lengths.max(axis=1).argsort(kind="stable")]
+            lengths, starts = grown.take(alive, axis=1), ends.take(alive)
+            parents.append(ways.take(alive))
+            chosen.append(starts)
+        order = lengths.max(axis=0).argsort(kind="stable")
+        stops = np.empty((len(order), virtual - v), dtype=int)
+        for level in range(virtual - v - 1, -1, -1):  # back from the last virtual stage's stops to v's
+            stops[:, level] = chosen[level][order]
+            order = parents[level][order]
+        return stops
 
     def _placed_s(self, ranges: list[tuple[int, int]], v: int) -> np.ndarray:
         """Per path, its length over the virtual stages before v holding `ranges` (kept from the last call's as far
@@ -193,7 +206,7 @@ class PathTables:
         del placed[kept:], prefix[kept + 1 :]
         for u in range(kept, v):
             placed.append(ranges[u])
-            prefix.append(prefix[u] + terms[u, ranges[u][0], ranges[u][1]] @ coef[u])
+            prefix.append(prefix[u] + coef[u] @ terms[u, ranges[u][0], ranges[u][1]])
         return prefix[v]
 
 
