@@ -145,8 +145,7 @@ def plan_variants(
     """Every requested variant with the plan the planner makes for it on the cluster the lab emulates (a device per
     rank, each at its share of this machine's cores), predicted as it runs here (the ranks share the cores)."""
     batch = BatchSettings(settings.global_batch)
-    measured = hardware.calibration.calibration
-    hardware, devices = _per_device(hardware)
+    hardware, measured, devices = _per_device(hardware)
     options, costs = on_gloo(requested), hardware.costs
     hybrid_runs = [name for name in settings.variants if name in HYBRID_RUNS]
     plans = plan_alternatives(
@@ -172,8 +171,7 @@ def plan_schedule_variants(
 ) -> tuple[list[Variant], dict[str, str]]:
     """Holmes on the hybrid cluster with each schedule of `settings.schedules` (None: no runs), the rest as
     `requested`, planned and predicted as `plan_variants` plans its runs; and per schedule the planner refused, why."""
-    measured = hardware.calibration.calibration
-    hardware, devices = _per_device(hardware)
+    hardware, measured, devices = _per_device(hardware)
     batch, lab = BatchSettings(settings.global_batch), hardware.lab(hardware.hybrid)
     runs, refused = [], {}
     for schedule in map(Schedule, settings.schedules or ()):
@@ -188,10 +186,12 @@ def plan_schedule_variants(
     return runs, refused
 
 
-def _per_device(hardware: Hardware) -> tuple[Hardware, Calibration]:
-    """`hardware` with its calibration for a device per rank of the hybrid cluster, and that calibration."""
-    devices = hardware.calibration.calibration.as_devices(hardware.hybrid.world_size)
-    return replace(hardware, calibration=replace(hardware.calibration, calibration=devices)), devices
+def _per_device(hardware: Hardware) -> tuple[Hardware, Calibration, Calibration]:
+    """`hardware` with its calibration for a device per rank of the hybrid cluster; the calibration as measured (this
+    machine's), and that per device."""
+    measured = hardware.calibration.calibration
+    devices = measured.as_devices(hardware.hybrid.world_size)
+    return replace(hardware, calibration=replace(hardware.calibration, calibration=devices)), measured, devices
 
 
 def _as_run_here(planned: Plan, profile: ModelProfile, measured: Calibration, devices: Calibration) -> Plan:
