@@ -358,16 +358,15 @@ def test_importing_the_package_registers_strategy_holmes_with_lightning(order: t
     """In a fresh interpreter, whichever is imported first: `Trainer(strategy="holmes")` builds HolmesStrategy on
     $HOLMES_CLUSTER; a cluster that does not exist is refused naming it."""
     first, second = order
+    trainer = "L.Trainer(strategy='holmes', accelerator='cpu', devices=2, logger=False)"
     code = (
-        f"import sys, {first}, {second}; import lightning as L; "
-        "s = L.Trainer(strategy='holmes', accelerator='cpu', devices=2, logger=False).strategy; "
-        "print(type(s).__name__, s.cluster)"
+        f"import os, {first}, {second}; import lightning as L; s = {trainer}.strategy; "
+        "print(type(s).__name__, s.cluster, flush=True); "
+        f"os.environ['HOLMES_CLUSTER'] = 'no_such_cluster'; {trainer}"
     )
     environment = {**os.environ, "HOLMES_CLUSTER": "single_node"}
     done = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True, cwd=tmp_path)
     assert done.stdout.split() == ["HolmesStrategy", "single_node"], done.stderr[-2000:]
-    environment["HOLMES_CLUSTER"] = "no_such_cluster"
-    done = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode != 0 and "no_such_cluster" in done.stderr
 
 
