@@ -343,6 +343,12 @@ class Candidate:
         """The most memory a stage takes at its level, for layers per virtual stage `counts` that fit the limit."""
         return max(entry[1] for entry in self.stage_levels(counts) if entry is not None)
 
+    def lower_ceiling(self, counts: Sequence[int], by: float) -> float:
+        """Set the memory ceiling `by` bytes below the peak of layers per virtual stage `counts` (the least-memory
+        pass, after a plan it found), and return it."""
+        self.memory_ceiling = self.peak_bytes(counts) - by
+        return self.memory_ceiling
+
     def step_s(self, counts: Sequence[int]) -> float | None:
         """The simulated step of layers per virtual stage `counts` (None: a stage exceeds the memory limit or
         ceiling)."""

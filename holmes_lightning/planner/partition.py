@@ -536,5 +536,5 @@ class _Search:
         if self.lowering is None:
             self.bar = step * (1 - 1e-9)
             return
-        self.candidate.memory_ceiling = self.candidate.peak_bytes(counts) - self.lowering
+        self.candidate.lower_ceiling(counts, self.lowering)
         self.chunk_costs.clear()

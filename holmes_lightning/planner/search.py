@@ -125,7 +125,7 @@ def search(
         if step < bar_of(preference):
             best = Found(step, preference, candidate, counts)
             if lowering is not None:  # and the candidates after it under its memory
-                memory = candidate.memory_ceiling = candidate.peak_bytes(counts) - lowering
+                memory = candidate.lower_ceiling(counts, lowering)
 
     def bar_of(preference: tuple[int, ...]) -> float:
         return best.bar(preference) if best and lowering is None else ceiling
@@ -199,8 +199,9 @@ def search(
         stats.searched += 1
         stats.partitions.progress(partial(_next_search, candidate, best))
         pool = paths.setdefault(path_key(candidate), CriticalPaths())
-        partitions = stats.partitions
-        found = search_partition(lowered(candidate), bar, partitions, kept, first=first, paths=pool, lowering=lowering)
+        found = search_partition(
+            lowered(candidate), bar, stats.partitions, kept, first=first, paths=pool, lowering=lowering
+        )
         if found is not None:
             offer(preference, candidate, *found)
             if first:
