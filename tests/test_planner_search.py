@@ -28,6 +28,7 @@ from holmes_lightning.planner import (
     partition,
     simulate,
 )
+from holmes_lightning.planner import cuts as path_cuts
 from holmes_lightning.planner.candidate import Candidate
 from holmes_lightning.planner.choice import MEMORY_RESOLUTION, STEP_TOLERANCE, checkpointing_choices, cost_model
 from holmes_lightning.planner.cost import CostModel
@@ -247,6 +248,7 @@ def test_the_split_search_finds_the_best_of_every_split(topology, model, schedul
             mock.patch.object(partition, "SUBTREES_SEEN", 1 if counted else 10**9),
             mock.patch.object(partition, "ENUMERATION_NODES", 0 if counted else partition.ENUMERATION_NODES),
             mock.patch.object(partition, "MOST_LENGTHS", lengths),
+            mock.patch.object(path_cuts, "SCREEN", data.draw(st.sampled_from([1, path_cuts.SCREEN]))),
         ):
             by_paths = search_partition(candidate, math.inf, PartitionStats(), paths=paths)
         assert by_paths is not None and by_paths[1] == pytest.approx(found[1], rel=1e-9)
@@ -263,12 +265,16 @@ def test_the_split_search_finds_the_best_of_every_split(topology, model, schedul
         for step, split in fitting[:: max(1, len(fitting) // 5)]:  # the ways left keep every split under the bar
             stops = list(itertools.accumulate(split, initial=0))
             v = data.draw(st.integers(0, len(split) - 1))
-            ways = tables.completions(list(itertools.pairwise(stops))[:v], v, stops[v], step * (1 + 1e-6), 10**9)
+            placed, bar = list(itertools.pairwise(stops))[:v], step * (1 + 1e-6)
+            ways = tables.completions(placed, v, stops[v], bar, 10**9)
             if ways is None:  # no paths to enumerate by
                 assert not paths.found
                 break
             assert tuple(stops[v + 1 :]) in set(map(tuple, ways.tolist()))
             assert all(list(way) == sorted(set(way)) and way[-1] == model.num_layers for way in ways.tolist())
+            firsts = sorted({stops[v + 1], *ways[:, 0].tolist()[::2]})  # some first stops: those ways, and no other
+            only = tables.completions(placed, v, stops[v], bar, 10**9, firsts)
+            assert set(map(tuple, only.tolist())) == {way for way in map(tuple, ways.tolist()) if way[0] in firsts}
         for _, split in fitting[:3]:  # a stage's tail: at least the closing collective and its chunks' shares
             ranges = candidate.bounds_of(split)
             for s, own in enumerate(candidate.own):

@@ -11,11 +11,13 @@ bounds of the splits after it (`CriticalPaths`, shared by the searches of one pl
 one already simulated waited is cut once that chain alone reaches the step to beat: the queueing between stages
 that the path bounds of `bounds` miss. A partial split with few ways left to go can also have them enumerated, each
 path's length summed along each way (`PathTables.completions`): a way survives only if every path leaves it under
-the bar, which the per-path least over the layers left cannot tell.
+the bar, which the per-path least over the layers left cannot tell. A few paths screen the ways first (those that cut
+the most of what the screen let by so far), so all paths are summed only along the ways they leave.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,6 +28,7 @@ from holmes_lightning.planner.simulate import CriticalPath
 
 TERMS = 6  # per virtual stage: forward, input pass, weight pass, transfer, transfer less its early part, tail share
 MOST_PATHS = 256  # critical paths kept per schedule order
+SCREEN = 8  # paths checked first in an enumeration: those that cut the most ways the screen let by (`completions`)
 
 
 @dataclass
@@ -101,6 +104,7 @@ class PathTables:
         # by row): the path's coefficients per term, and its least length from virtual stage v and layer start on
         self.coef = np.zeros((virtual, 0, TERMS))
         self.least = np.zeros((virtual + 1, 0, layers + 1))
+        self.kills = np.zeros(0, dtype=int)  # per path: the ways the screen let by that it cut (`completions`)
         self.placed: list[tuple[int, int]] = []  # the ranges `prefix` holds: prefix[d], the paths' lengths over d
         self.prefix: list[np.ndarray] = []
         self.sync()
@@ -133,7 +137,8 @@ class PathTables:
         if grown:
             self.coef = np.concatenate([self.coef, np.zeros((virtual, grown, TERMS))], axis=1)
             self.least = np.concatenate([self.least, np.zeros((virtual + 1, grown, size))], axis=1)
-        self.coef[:, changed], self.least[:, changed] = coef, least.transpose(1, 0, 2)
+        self.kills = np.append(self.kills, np.zeros(grown, dtype=int))
+        self.coef[:, changed], self.least[:, changed], self.kills[changed] = coef, least.transpose(1, 0, 2), 0
         self.versions = list(versions)
         self.placed, self.prefix = [], [np.full(len(found), self.candidate.closing_s)]
 
@@ -150,11 +155,18 @@ class PathTables:
         return bounds.max(axis=0)
 
     def completions(
-        self, ranges: list[tuple[int, int]], v: int, start: int, bar: float, budget: int
+        self,
+        ranges: list[tuple[int, int]],
+        v: int,
+        start: int,
+        bar: float,
+        budget: int,
+        firsts: Sequence[int] | None = None,
     ) -> np.ndarray | None:
         """The stops of virtual stages v, v + 1, ... (one row per way to split layers [start, L) among them) of the
         splits that give the virtual stages before v `ranges` and that no path takes to `bar`, best first (None: no
-        paths yet, or the ways of some first virtual stages times the paths over `budget`).
+        paths yet, or the ways of some first virtual stages times the paths over `budget`); `firsts`: the only stops
+        virtual stage v may take (None: any).
 
         Every such way is enumerated, the paths' lengths summed along it: the max over paths of a whole split's lengths
         couples them, which `children_s` (each path's least over the layers left on its own) does not."""
@@ -167,8 +179,12 @@ class PathTables:
         parents, chosen = [], []  # per level: each way's way at the level before, and its stop
         threshold = bar / (1 - ROUNDING)
         invalid, terms = self.invalid.reshape(virtual, -1), self.terms.reshape(virtual, -1, TERMS)
+        screen = self.kills.argsort(kind="stable")[-SCREEN:] if len(self.versions) > SCREEN else None
         for u in range(v, virtual):
-            if u == virtual - 1:  # the last virtual stage takes the layers left
+            if u == v and firsts is not None:
+                ends = np.array(firsts)
+                ways = np.zeros_like(ends)
+            elif u == virtual - 1:  # the last virtual stage takes the layers left
                 ways, ends = np.arange(len(starts)), np.full_like(starts, layers)
             else:  # each way so far may stop virtual stage u anywhere after its start, leaving a layer to each after
                 counts = layers - (virtual - 1 - u) - starts
@@ -177,13 +193,21 @@ class PathTables:
             if len(ways) * len(self.versions) > budget:
                 return None
             ranges_at = starts.take(ways) * (layers + 1) + ends  # [start, end) as a flat index into u's tables
+            fits = (invalid[u].take(ranges_at) == 0).nonzero()[0]  # ranges that fit a memory level
+            ways, ends, seconds = ways.take(fits), ends.take(fits), terms[u].take(ranges_at.take(fits), axis=0).T
+            if screen is not None:  # the screen first; all paths check the ways it leaves
+                reach = lengths[screen].take(ways, axis=1)
+                reach += self.coef[u][screen] @ seconds
+                reach += self.least[u + 1][screen].take(ends, axis=1)
+                kept = (reach.max(axis=0) < threshold).nonzero()[0]
+                ways, ends, seconds = ways.take(kept), ends.take(kept), seconds.take(kept, axis=1)
             grown = lengths.take(ways, axis=1)
-            grown += self.coef[u] @ terms[u].take(ranges_at, axis=0).T
+            grown += self.coef[u] @ seconds
             reach = self.least[u + 1].take(ends, axis=1)
             reach += grown
-            most = reach.max(axis=0)
-            most += invalid[u].take(ranges_at)  # inf where the range fits no memory level
-            alive = (most < threshold).nonzero()[0]
+            cut = reach.max(axis=0) >= threshold
+            np.add.at(self.kills, reach[:, cut].argmax(axis=0), 1)
+            alive = (~cut).nonzero()[0]
             if not len(alive):  # no way left
                 return np.zeros((0, virtual - v), dtype=int)
             lengths, starts = grown.take(alive, axis=1), ends.take(alive)

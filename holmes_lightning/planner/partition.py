@@ -21,7 +21,8 @@ or anywhere once the search has run longer still (`WAYS_AFTER`), a partial split
 `MOST_WAYS` ways to go enumerates them with every path's length summed along each (`PathTables.completions`): only
 the ways that no path takes to `bar` are expanded, the paths coupled (the layers left cannot dodge each path on its
 own). Before that, the best of those ways are simulated (`PROBES`) and their critical paths added, which often
-leaves none.
+leaves none. The children of a partial split that would each enumerate are enumerated together first, and those left
+no way are not visited (`_wayless`).
 
 A virtual stage's backward is costed at the checkpointing its stage needs for the chunks assigned so far
 (`Candidate.level`); later chunks can only raise that level, so the bounds hold, and a finished split with several
@@ -253,14 +254,12 @@ class _Search:
         if v == self.virtual:
             self._finish(path)
             return
-        if ways is None and self.cuts is not None:
-            splits = math.comb(self.layers - path.start(v) - 1, self.virtual - 1 - v)
-            if splits <= most_ways and (self.stats.nodes - self.began >= WAYS_AFTER or self._worth_enumerating(v)):
-                ways = self._probe(path, v, path.start(v))
-                if self.first and self.best is not None:
-                    return
-                if ways is None:  # too many to enumerate: not again until far fewer splits are left
-                    most_ways = splits // RETRY
+        if ways is None and self._enumerates(v, path.start(v), most_ways):
+            ways = self._probe(path, v, path.start(v))
+            if self.first and self.best is not None:
+                return
+            if ways is None:  # too many to enumerate: not again until far fewer splits are left
+                most_ways = math.comb(self.layers - path.start(v) - 1, self.virtual - 1 - v) // RETRY
         if ways is not None:  # an enumerated subtree
             self._expand(path, v, bound, ways, most_ways)
             return
@@ -268,6 +267,12 @@ class _Search:
         self._expand(path, v, bound, None, most_ways)
         self.plain_nodes[v] += self.stats.nodes - began
         self.plain_subtrees[v] += 1
+
+    def _enumerates(self, v: int, start: int, most_ways: int) -> bool:
+        """Whether a plain partial split whose virtual stage v starts at layer `start` enumerates the ways left."""
+        if self.cuts is None or math.comb(self.layers - start - 1, self.virtual - 1 - v) > most_ways:
+            return False
+        return self.stats.nodes - self.began >= WAYS_AFTER or self._worth_enumerating(v)
 
     def _worth_enumerating(self, v: int) -> bool:
         """Whether the plain subtrees from virtual stage v took this search `ENUMERATION_NODES` partial splits or more
@@ -299,6 +304,7 @@ class _Search:
         if children and ways is None and self.paths is not None:
             self._bound_by_paths(path, v, start, children)
         children.sort(key=lambda child: child.bound)
+        wayless = self._wayless(path, v, children, most_ways) if ways is None else set()
         for tried, child in enumerate(children):
             if child.bound * (1 - ROUNDING) >= self.bar:
                 self.stats.cut += len(children) - tried
@@ -311,11 +317,26 @@ class _Search:
             if full * (1 - ROUNDING) >= self.bar:
                 self.stats.cut += 1
                 continue
+            if child.stop in wayless:  # its own enumeration would find no way left
+                self.stats.nodes += 1
+                continue
             child.push(path)
             self.extend(path, v + 1, full, None if ways is None else ways[ways[:, 0] == child.stop, 1:], most_ways)
             child.pop(path)
             if self.first and self.best is not None:
                 return
+
+    def _wayless(self, path: _Path, v: int, children: list[_Child], most_ways: int) -> set[int]:
+        """The stops of those `children` that would enumerate the ways left (`_probe`) and find none, told by one
+        enumeration for them all: every path bounds every split and the bar only falls, so none would find one later."""
+        if v + 1 >= self.virtual:
+            return set()
+        stops = [child.stop for child in children if self._enumerates(v + 1, child.stop, most_ways)]
+        if len(stops) < 2:
+            return set()
+        ranges = [(path.start(u), path.stops[u]) for u in range(v)]
+        ways = self.cuts.completions(ranges, v, path.start(v), self.bar, MOST_LENGTHS, firsts=stops)
+        return set() if ways is None else set(stops) - set(ways[:, 0].tolist())
 
     def _probe(self, path: _Path, v: int, start: int) -> np.ndarray | None:
         """The ways to split the layers left that no critical path takes to the bar (`PathTables.completions`; None:
