@@ -331,7 +331,11 @@ class _Search:
         enumeration for them all: every path bounds every split and the bar only falls, so none would find one later."""
         if v + 1 >= self.virtual:
             return set()
-        stops = [child.stop for child in children if self._enumerates(v + 1, child.stop, most_ways)]
+        stops = [
+            child.stop
+            for child in children
+            if child.bound * (1 - ROUNDING) < self.bar and self._enumerates(v + 1, child.stop, most_ways)
+        ]
         if len(stops) < 2:
             return set()
         ranges = [(path.start(u), path.stops[u]) for u in range(v)]
