@@ -44,7 +44,7 @@ import itertools
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -107,6 +107,10 @@ class _Path:
 
     def start(self, v: int) -> int:
         return self.stops[v - 1] if v > 0 else 0
+
+    def ranges(self, virtual_stages: Iterable[int]) -> list[tuple[int, int]]:
+        """The [start, stop) layers of those virtual stages (placed ones)."""
+        return [(self.start(u), self.stops[u]) for u in virtual_stages]
 
 
 @dataclass
@@ -338,7 +342,7 @@ class _Search:
         ]
         if len(stops) < 2:
             return set()
-        ranges = [(path.start(u), path.stops[u]) for u in range(v)]
+        ranges = path.ranges(range(v))
         ways = self.cuts.completions(ranges, v, path.start(v), self.bar, MOST_LENGTHS, firsts=stops)
         return set() if ways is None else set(stops) - set(ways[:, 0].tolist())
 
@@ -346,7 +350,7 @@ class _Search:
         """The ways to split the layers left that no critical path takes to the bar (`PathTables.completions`; None:
         too many to enumerate), after simulating up to `PROBES` of them, best first, each adding its critical path
         (and, if faster, becoming the best split)."""
-        ranges = [(path.start(u), path.stops[u]) for u in range(v)]
+        ranges = path.ranges(range(v))
         placed = [b - a for a, b in ranges]
         for _ in range(PROBES):
             ways = self.cuts.completions(ranges, v, start, self.bar, MOST_LENGTHS)
@@ -375,7 +379,7 @@ class _Search:
                 return
             self.cuts = PathTables.of(self.candidate, self.paths)
         stops = [child.stop for child in children]
-        by_paths = self.cuts.children_s([(path.start(u), path.stops[u]) for u in range(v)], v, start, stops)
+        by_paths = self.cuts.children_s(path.ranges(range(v)), v, start, stops)
         if by_paths is None:
             return
         self.tried_paths += 1
@@ -441,7 +445,7 @@ class _Search:
         ranges so far, which fix them (each earlier chunk's passes follow from its range and those before it)."""
         c = self.candidate
         stage, chunk = c.located[v]
-        ranges = [(path.start(u), path.stops[u]) for u in c.own[stage][:chunk]] if chunk else []
+        ranges = path.ranges(c.own[stage][:chunk])
         ranges.append((start, stop))
         key = (v, *ranges)
         if key not in self.chunk_costs:
