@@ -235,15 +235,15 @@ def test_the_split_search_finds_the_best_of_every_split(topology, model, schedul
     assert found is not None
     assert found[1] == pytest.approx(min(fitting)[0], rel=1e-9)
     assert candidate.step_s(found[0]) == found[1]
-    if pp * chunks > 1:  # bounded by critical paths from the first partial split on (the ways left enumerated from
-        # there too, or not), seeded by other splits'
+    if pp * chunks > 1:  # bounded by critical paths from the first partial split on (`PATHS_AFTER` 0, or a pool of
+        # 2 or more: `PATHS_KNOWN`; the ways left enumerated from there too, or not), seeded by other splits'
         paths = CriticalPaths()
         for split in data.draw(st.lists(st.sampled_from([split for _, split in steps]), max_size=3)):
             paths.add(critical_path(candidate, split))
         lengths = data.draw(st.sampled_from([partition.MOST_LENGTHS, 40]))  # 40: most enumerations over it
         counted = data.draw(st.booleans())  # where the search's own subtrees say so, from its first plain one on
         with (
-            mock.patch.object(partition, "PATHS_AFTER", 0),
+            mock.patch.object(partition, "PATHS_AFTER", data.draw(st.sampled_from([0, 10**9]))),
             mock.patch.object(partition, "WAYS_AFTER", data.draw(st.sampled_from([0, 10**9]))),
             mock.patch.object(partition, "SUBTREES_SEEN", 1 if counted else 10**9),
             mock.patch.object(partition, "ENUMERATION_NODES", 0 if counted else partition.ENUMERATION_NODES),

@@ -12,9 +12,10 @@ Virtual stages are assigned layers front to back. A partial split's lower bound 
 - per assigned virtual stage, when its last forward ends at least (after the previous virtual stage's, and after
   the link carried the m - 1 before it one at a time), then the backwards after it in its order and its drain;
 - the suffix tables' bound for the layers left (`bounds.SuffixBounds`);
-- once a search has run long (`PATHS_AFTER` partial splits), per critical path of a split simulated so far (in this
-  search or another of the same schedule order, `cuts`), its length over the virtual stages placed plus the least
-  any ranges of the layers left give it: the queueing between stages the other bounds miss.
+- once a search has run long (`PATHS_AFTER` partial splits), or from the start where earlier searches of the same
+  schedule order found paths (`PATHS_KNOWN`), per critical path of a split simulated so far (in this search or
+  another of the same schedule order, `cuts`), its length over the virtual stages placed plus the least any ranges
+  of the layers left give it: the queueing between stages the other bounds miss.
 
 Where the plain subtrees from a virtual stage took the search many partial splits each so far (`ENUMERATION_NODES`),
 or anywhere once the search has run longer still (`WAYS_AFTER`), a partial split whose layers left have at most
@@ -57,6 +58,7 @@ REBUILD = 0.98  # rebuild the suffix tables for a search once the bar fell below
 DESCENTS = 3  # cycles down to this many virtual stages below one count in its path bound
 PROGRESS_NODES = 1024  # partial splits between checks whether a progress report is due
 PATHS_AFTER = 2000  # partial splits a search visits before it bounds by critical paths (`cuts`) too
+PATHS_KNOWN = 2  # a step search whose pool starts with this many paths (found before it) bounds by them at once
 PATHS_TRIAL, PATHS_USEFUL = 2000, 0.1  # a search for any split keeps them if they cut this many children a call
 WAYS_AFTER = 20_000  # partial splits a search visits before it enumerates the ways left (`_probe`) wherever it may
 SUBTREES_SEEN = 4  # plain subtrees from a virtual stage a search counts before it may enumerate the ways left there
@@ -233,6 +235,10 @@ class _Search:
         self.candidate, self.tables, self.stats, self.bar, self.first = candidate, tables, stats, bar, first
         self.lowering = lowering
         self.paths, self.cuts, self.began = paths, None, stats.nodes  # `cuts`: built once the search runs long
+        # or at once in a step search with paths of earlier searches (the least-memory pass waits: its course picks
+        # which of the plans within tolerance it keeps)
+        started = paths is not None and lowering is None and len(paths.found) >= PATHS_KNOWN
+        self.paths_after = 0 if started else PATHS_AFTER
         self.tried_paths = self.cut_by_paths = 0  # calls to `cuts`, and children they alone cut
         self.best: tuple[tuple[int, ...], float] | None = None
         self.pp, self.chunks, self.virtual = candidate.layout.pp, candidate.chunks, candidate.virtual
@@ -375,7 +381,7 @@ class _Search:
         for any split under a bar that does not fall (`first`, `lowering`: the least-memory pass) drops them if in its
         first `PATHS_TRIAL` calls they cut fewer than `PATHS_USEFUL` children a call that nothing else would."""
         if self.cuts is None:
-            if self.stats.nodes - self.began < PATHS_AFTER:
+            if self.stats.nodes - self.began < self.paths_after:
                 return
             self.cuts = PathTables.of(self.candidate, self.paths)
         stops = [child.stop for child in children]
