@@ -242,9 +242,11 @@ def test_the_split_search_finds_the_best_of_every_split(topology, model, schedul
             paths.add(critical_path(candidate, split))
         lengths = data.draw(st.sampled_from([partition.MOST_LENGTHS, 40]))  # 40: most enumerations over it
         counted = data.draw(st.booleans())  # where the search's own subtrees say so, from its first plain one on
+        ways_after = data.draw(st.sampled_from([0, 10**9]))
         with (
             mock.patch.object(partition, "PATHS_AFTER", data.draw(st.sampled_from([0, 10**9]))),
-            mock.patch.object(partition, "WAYS_AFTER", data.draw(st.sampled_from([0, 10**9]))),
+            mock.patch.object(partition, "WAYS_AFTER", ways_after),
+            mock.patch.object(partition, "KNOWN_WAYS_AFTER", ways_after),
             mock.patch.object(partition, "SUBTREES_SEEN", 1 if counted else 10**9),
             mock.patch.object(partition, "ENUMERATION_NODES", 0 if counted else partition.ENUMERATION_NODES),
             mock.patch.object(partition, "MOST_LENGTHS", lengths),

@@ -18,10 +18,10 @@ Virtual stages are assigned layers front to back. A partial split's lower bound 
   of the layers left give it: the queueing between stages the other bounds miss.
 
 Where the plain subtrees from a virtual stage took the search many partial splits each so far (`ENUMERATION_NODES`),
-or anywhere once the search has run longer still (`WAYS_AFTER`), a partial split whose layers left have at most
-`MOST_WAYS` ways to go enumerates them with every path's length summed along each (`PathTables.completions`): only
-the ways that no path takes to `bar` are expanded, the paths coupled (the layers left cannot dodge each path on its
-own). Before that, the best of those ways are simulated (`PROBES`) and their critical paths added, which often
+or anywhere once the search has run longer still (`WAYS_AFTER`; `KNOWN_WAYS_AFTER` where it started with paths of
+earlier searches), a partial split whose layers left have at most `MOST_WAYS` ways to go enumerates them with every
+path's length summed along each (`PathTables.completions`): only the ways that no path takes to `bar` are expanded,
+the paths coupled (the layers left cannot dodge each path on its own). Before that, the best of those ways are simulated (`PROBES`) and their critical paths added, which often
 leaves none. The children of a partial split that would each enumerate are enumerated together first, and those left
 no way are not visited (`_wayless`).
 
@@ -61,6 +61,7 @@ PATHS_AFTER = 2000  # partial splits a search visits before it bounds by critica
 PATHS_KNOWN = 2  # a step search whose pool starts with this many paths (found before it) bounds by them at once
 PATHS_TRIAL, PATHS_USEFUL = 2000, 0.1  # a search for any split keeps them if they cut this many children a call
 WAYS_AFTER = 20_000  # partial splits a search visits before it enumerates the ways left (`_probe`) wherever it may
+KNOWN_WAYS_AFTER = 2000  # the same for a step search that starts with paths of earlier searches (`PATHS_KNOWN`)
 SUBTREES_SEEN = 4  # plain subtrees from a virtual stage a search counts before it may enumerate the ways left there
 ENUMERATION_NODES = 500  # partial splits a plain subtree takes on average where enumerating (`_probe`) pays
 MOST_WAYS = 1_000_000  # splits of the layers left at most, for a search to enumerate them
@@ -235,10 +236,10 @@ class _Search:
         self.candidate, self.tables, self.stats, self.bar, self.first = candidate, tables, stats, bar, first
         self.lowering = lowering
         self.paths, self.cuts, self.began = paths, None, stats.nodes  # `cuts`: built once the search runs long
-        # or at once in a step search with paths of earlier searches (the least-memory pass waits: its course picks
-        # which of the plans within tolerance it keeps)
+        # or at once in a step search with paths of earlier searches, which also enumerates sooner (the least-memory
+        # pass waits: its course picks which of the plans within tolerance it keeps)
         started = paths is not None and lowering is None and len(paths.found) >= PATHS_KNOWN
-        self.paths_after = 0 if started else PATHS_AFTER
+        self.paths_after, self.ways_after = (0, KNOWN_WAYS_AFTER) if started else (PATHS_AFTER, WAYS_AFTER)
         self.tried_paths = self.cut_by_paths = 0  # calls to `cuts`, and children they alone cut
         self.best: tuple[tuple[int, ...], float] | None = None
         self.pp, self.chunks, self.virtual = candidate.layout.pp, candidate.chunks, candidate.virtual
@@ -282,7 +283,7 @@ class _Search:
         """Whether a plain partial split whose virtual stage v starts at layer `start` enumerates the ways left."""
         if self.cuts is None or math.comb(self.layers - start - 1, self.virtual - 1 - v) > most_ways:
             return False
-        return self.stats.nodes - self.began >= WAYS_AFTER or self._worth_enumerating(v)
+        return self.stats.nodes - self.began >= self.ways_after or self._worth_enumerating(v)
 
     def _worth_enumerating(self, v: int) -> bool:
         """Whether the plain subtrees from virtual stage v took this search `ENUMERATION_NODES` partial splits or more
