@@ -21,9 +21,9 @@ Where the plain subtrees from a virtual stage took the search many partial split
 or anywhere once the search has run longer still (`WAYS_AFTER`; `KNOWN_WAYS_AFTER` where it started with paths of
 earlier searches), a partial split whose layers left have at most `MOST_WAYS` ways to go enumerates them with every
 path's length summed along each (`PathTables.completions`): only the ways that no path takes to `bar` are expanded,
-the paths coupled (the layers left cannot dodge each path on its own). Before that, the best of those ways are simulated (`PROBES`) and their critical paths added, which often
-leaves none. The children of a partial split that would each enumerate are enumerated together first, and those left
-no way are not visited (`_wayless`).
+the paths coupled (the layers left cannot dodge each path on its own). Before that, the best of those ways are
+simulated (`PROBES`) and their critical paths added, which often leaves none. The children of a partial split that
+would each enumerate are enumerated together first, and those left no way are not visited (`_wayless`).
 
 A virtual stage's backward is costed at the checkpointing its stage needs for the chunks assigned so far
 (`Candidate.level`); later chunks can only raise that level, so the bounds hold, and a finished split with several
