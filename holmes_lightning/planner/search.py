@@ -106,8 +106,8 @@ def search(
     `infeasible(candidate, counts)` is told of every candidate whose split (None: every split) exceeds memory.
     `lower`, if given, gets per preference a lower bound on the candidate's step that holds for every split within
     `slack` (a share) of the best plan's step; the tables are built that much looser to give it, and a candidate
-    whose split search finds no split under its bar gets that bar (the least-memory pass then skips it where that is
-    slower than the plans it may pick, which only rules plans out that it would not find). `first`: any plan
+    whose split search finds no split under its bar gets that bar (every split of it takes as long or longer: the
+    least-memory pass skips it where the bar is beyond the tolerance). `first`: any plan
     under `ceiling` will do, the first one found. `tables`: per preference, suffix tables to reuse where built for a
     bar no lower, and to fill with those of candidates without a memory ceiling (a ceiling only rules splits out, so
     those bound the same candidate under any ceiling; not the other way round). `paths`: per schedule order
