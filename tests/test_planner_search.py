@@ -236,7 +236,7 @@ def test_the_split_search_finds_the_best_of_every_split(topology, model, schedul
     assert found[1] == pytest.approx(min(fitting)[0], rel=1e-9)
     assert candidate.step_s(found[0]) == found[1]
     if pp * chunks > 1:  # bounded by critical paths from the first partial split on (`PATHS_AFTER` 0, or a pool of
-        # 2 or more: `PATHS_KNOWN`; the ways left enumerated from there too, or not), seeded by other splits'
+        # `PATHS_KNOWN` or more; else never), the ways left enumerated from there too or not, seeded by other splits'
         paths = CriticalPaths()
         for split in data.draw(st.lists(st.sampled_from([split for _, split in steps]), max_size=3)):
             paths.add(critical_path(candidate, split))
