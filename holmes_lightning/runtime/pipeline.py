@@ -85,6 +85,15 @@ class HopStage(PipelineStage):
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
         return self._on_hop_groups(super().get_bwd_send_ops(bwd_chunk_id))
 
+    def get_local_bwd_output(self, mb_index: int) -> tuple[torch.Tensor | None, ...]:
+        """The input gradients handed to the virtual stage before on this rank (a V schedule's turn); none in an
+        evaluation, where torch's runtime still hands them over."""
+        return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs: tuple[torch.Tensor | None, ...], mb_index: int) -> None:
+        if self.has_backward:
+            super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
 
 class Pipeline:
     """This rank's chunks as PipelineStages and the plan's schedule; one schedule per micro-batch shape for eval.
