@@ -9,13 +9,17 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from dataclasses import replace
+from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
 from distributed import LossRecorder, TinyMLP, run_ranks, tiny_loader
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
@@ -24,7 +28,7 @@ from holmes_lightning import HolmesStrategy
 from holmes_lightning.cli.validate import collective_backend
 from holmes_lightning.planner import Plan, PlanOptions, Sharding, StagePlan, StepPrediction
 from holmes_lightning.runtime.contract import ContractError
-from holmes_lightning.runtime.planning import step_collectives
+from holmes_lightning.runtime.planning import from_rank_zero, step_collectives
 from holmes_lightning.runtime.preemption import HolmesCheckpoint
 from holmes_lightning.topology import LinkKind, NICKind
 
@@ -283,6 +287,35 @@ def test_without_a_global_batch_the_dataloader_sets_it_or_is_told_how() -> None:
     assert "global batch 8: the DataLoader's batch_size=8 x dp=1" in result["notes"]
     assert result["error"].startswith("HolmesStrategy(global_batch=None)")
     assert "give the DataLoader a batch_size" in result["error"]
+
+
+def rank_zero_outlasting_the_timeout(make_s: float, collective_s: float) -> list[int]:
+    """Rank side: rank 0 takes `make_s` to make what every rank gets (as planning does, alone), broadcast on a gloo
+    group whose collectives time out after `collective_s`; twice, so each wait is told apart from the one before."""
+    dist.init_process_group("gloo")
+    group = dist.new_group(timeout=timedelta(seconds=collective_s))
+
+    def broadcast(made: Any) -> Any:  # as Lightning's strategy.broadcast, on that group
+        box = [made]
+        dist.broadcast_object_list(box, src=0, group=group)
+        return box[0]
+
+    def make(nth: int) -> int:
+        time.sleep(make_s)
+        return 10 * nth + dist.get_rank()
+
+    try:
+        return [from_rank_zero(partial(make, nth), broadcast) for nth in (1, 2)]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_the_ranks_wait_for_rank_zeros_plan_longer_than_the_collective_timeout() -> None:
+    """A plan may take minutes on rank 0 (it reports progress); the other ranks wait for it as long as it takes, not
+    as for a hung collective (`timeout`, which a user shortens to catch hangs sooner)."""
+    made = run_ranks("test_strategy:rank_zero_outlasting_the_timeout", "single_node", make_s=1.5, collective_s=1.0)
+    assert made == [[10, 20], [10, 20]]
 
 
 def one_rank_compiled_layer_zero_bubble() -> str:

@@ -9,10 +9,12 @@ that plan, and nothing is read, profiled or calibrated.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, replace
+from datetime import timedelta
 from typing import Any, TypeVar, cast
 
 import lightning.pytorch as pl
@@ -57,6 +59,8 @@ LOOPS = {
     TrainerFn.PREDICTING: ("predict_loop", "predict_dataloader"),
 }
 T = TypeVar("T")
+RANK_ZERO_WAIT = timedelta(days=1)  # the ranks wait for rank 0's plan (`from_rank_zero`) as long as planning takes
+_MADE = itertools.count()  # `from_rank_zero` calls so far in this process
 
 
 @dataclass(frozen=True)
@@ -153,11 +157,11 @@ def agree_on_plan(
     its plan runs again, uncalibrated, where nothing that fixes a plan changed (`plan_reuse`).
     """
     made_for = PlanBasis.of(place.topology, request.fixed_settings(place.backend))
-    verdict = _from_rank_zero(
+    verdict = from_rank_zero(
         lambda: _judge_stored_plan(
             request, trainer=trainer, place=place, reading_data=reading_data, made_for=made_for, resuming=resuming
         ),
-        place,
+        place.broadcast,
     )
     if verdict is not None and verdict.plan is not None:
         return AgreedPlan(verdict.plan, None, f"{verdict.line}\n{format_plan(verdict.plan)}", made_for)
@@ -179,7 +183,7 @@ def _agree_on_a_new_plan(
     together = _measured_together(trainer, place) if calibrating else {}
     alone = dist.new_group([0]) if calibrating else None  # FSDP2 is timed on a group of rank 0 alone
     try:
-        return _from_rank_zero(
+        return from_rank_zero(
             lambda: _plan_on_rank_zero(
                 request,
                 trainer=trainer,
@@ -189,22 +193,33 @@ def _agree_on_a_new_plan(
                 group=alone,
                 made_for=made_for,
             ),
-            place,
+            place.broadcast,
         )
     finally:
         if alone is not None and dist.get_rank() == 0:
             dist.destroy_process_group(alone)
 
 
-def _from_rank_zero(make: Callable[[], T], place: JobPlace) -> T:
-    """`make()` run on rank 0, its result on every rank; its error raised on every rank."""
+def from_rank_zero(make: Callable[[], T], broadcast: Callable[[Any], Any]) -> T:
+    """`make()` run on rank 0, its result on every rank (`broadcast`: rank 0's object on every rank); its error raised
+    on every rank.
+
+    The other ranks first wait in the job's store until rank 0 is done, for up to `RANK_ZERO_WAIT` rather than the
+    collective timeout: planning may take minutes, reporting progress as it goes, and a short collective timeout is
+    there to catch hangs. A rank 0 that dies ends the wait (its store goes with it, or its launcher stops the job).
+    """
     outcome: T | Exception | None = None
+    done = f"holmes/rank-zero-done/{next(_MADE)}"  # every rank calls this in the same order: the same key
+    store = dist.distributed_c10d._get_default_store()
     if dist.get_rank() == 0:
         try:
             outcome = make()
         except Exception as error:  # any failure must reach the other ranks, or they wait for rank 0 forever
             outcome = error
-    outcome = place.broadcast(outcome)
+        store.set(done, "")
+    else:
+        store.wait([done], RANK_ZERO_WAIT)
+    outcome = broadcast(outcome)
     if isinstance(outcome, Exception):
         raise outcome
     return cast(T, outcome)

@@ -120,7 +120,8 @@ class HolmesStrategy(ModelParallelStrategy):
             calibrate=False (default: the cluster config's TFLOPS x efficiency 0.5), else what calibration does not
             measure, such as `dp_overlap`. Every plan also fits the device's memory for training (its memory less a
             reserve; on CPU the host's available memory per rank), measured at start unless given.
-        timeout: seconds (or a timedelta) a collective may wait before the job fails.
+        timeout: seconds (or a timedelta) a collective may wait before the job fails; the other ranks' wait for rank
+            0's plan is not bound by it (`runtime.planning.from_rank_zero`).
         fsdp_on_one_rank: with sharding "fsdp", apply FSDP2 also to a stage whose DP group is one rank, where it has
             nothing to shard and is skipped by default: its hooks, DTensor parameters and mixed-precision policy
             then run as on many ranks, at the cost of a gathered copy of the weights. For checks of the multi-rank
