@@ -20,13 +20,14 @@ def format_plan(plan: Plan, profile: ModelProfile | None = None) -> str:
         "  rank map (row = stage = one DP group; column = dp index):",
     ]
     lines += [f"    stage {stage.index}: {_ranks(stage.ranks)}" for stage in plan.stages]
+    held = ["; ".join(_layer_range(profile, start, stop) for start, stop in stage.chunks) for stage in plan.stages]
+    wide = max(34, *(len(layers) + 2 for layers in held))  # a stage's chunks may take more than the column
     header = (
-        f"  {'stage':<6}{'cluster/nic':<20}{'TFLOPS':>7}  {'layers':<34}{'DP group link':<22}"
+        f"  {'stage':<6}{'cluster/nic':<20}{'TFLOPS':>7}  {'layers':<{wide}}{'DP group link':<22}"
         f"{'to next':<17}{'fwd+bwd/mb':>11}{'sync':>9}{'exposed':>9}{'mem GB':>8}  act. checkpointing"
     )
     lines += ["", header]
-    for stage in plan.stages:
-        layers = "; ".join(_layer_range(profile, start, stop) for start, stop in stage.chunks)
+    for stage, layers in zip(plan.stages, held, strict=True):
         dp_link = f"{stage.dp_link.value} {stage.dp_gbps:g} Gb/s" if len(stage.ranks) > 1 else "-"
         send = (
             f"{stage.send_link.value} {stage.send_gbps:g} Gb/s"
@@ -35,7 +36,7 @@ def format_plan(plan: Plan, profile: ModelProfile | None = None) -> str:
         )
         compute = sum(stage.forward_s) + sum(stage.backward_s)
         lines.append(
-            f"  {stage.index:<6}{fabric_label(stage):<20}{stage.device_tflops:>7g}  {layers:<34}"
+            f"  {stage.index:<6}{fabric_label(stage):<20}{stage.device_tflops:>7g}  {layers:<{wide}}"
             f"{dp_link:<22}{send:<17}{_ms(compute):>11}{_ms(stage.sync_s):>9}{_ms(stage.exposed_sync_s):>9}"
             f"{stage.memory_gb:>8.1f}  {stage.checkpointing.value}"
         )
