@@ -27,6 +27,7 @@ from holmes_lightning.planner import (
 from holmes_lightning.planner.choice import STEP_TOLERANCE
 from holmes_lightning.planner.layout import dp_degrees, group_orders, holmes_layout
 from holmes_lightning.planner.options import MODELLED_SCHEDULES
+from holmes_lightning.planner.report import format_plan
 from holmes_lightning.topology import LinkKind, NICKind, Topology, shipped_cluster_names
 
 GPT_7_5B = ModelProfile.from_gpt(
@@ -469,3 +470,18 @@ def test_layers_given_per_stage_are_split_into_each_stages_chunks(schedule):
     )
     assert [sum(stop - start for start, stop in stage.chunks) for stage in plan.stages] == [4, 4]
     assert all(len(stage.chunks) == 2 for stage in plan.stages)
+
+
+def test_the_plan_table_keeps_its_columns_when_a_stage_holds_several_chunks() -> None:
+    """A V stage's two chunks, named, are longer than the layers column was: the next column still lines up."""
+    plan = best_plan(
+        Topology.from_config("two_cluster_mixed"),
+        GPT_SMALL,
+        BatchSettings(16),
+        options=PlanOptions(schedule=Schedule("DualPipeV"), pp=2),
+    )
+    lines = format_plan(plan, GPT_SMALL).splitlines()
+    column = next(line for line in lines if "DP group link" in line).index("DP group link")
+    rows = [line for line in lines if line.startswith(("  0 ", "  1 "))]
+    assert len(rows) == 2 and all(len(row.split(";")) == 2 for row in rows)  # two chunks per stage
+    assert all(row[column - 2 : column] == "  " and row[column:].startswith("rdma ") for row in rows)
