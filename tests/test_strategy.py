@@ -100,6 +100,27 @@ def _fit(
     return [*recorder.losses, *([float(trainer.callback_metrics["val_loss"])] if val_loader else [])]
 
 
+def rank_zero_outlasting_the_timeout(make_s: float, collective_s: float) -> list[int]:
+    """Rank side, the default group up: rank 0 takes `make_s` to make what every rank gets (as planning does, alone),
+    broadcast on a gloo group whose collectives time out after `collective_s`; twice, so each wait is told apart from
+    the one before."""
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=collective_s))
+
+    def broadcast(made: Any) -> Any:  # as Lightning's strategy.broadcast, on that group
+        box = [made]
+        dist.broadcast_object_list(box, src=0, group=group)
+        return box[0]
+
+    def make(nth: int) -> int:
+        time.sleep(make_s)
+        return 10 * nth + dist.get_rank()
+
+    try:
+        return [from_rank_zero(partial(make, nth), broadcast) for nth in (1, 2)]
+    finally:
+        dist.destroy_process_group(group)
+
+
 def strategy_cases(checkpoint_dir: str) -> dict[str, Any]:
     """Rank side: train, checkpoint, resume on the same and on another plan, and train a plain module with pp=1."""
     samples, per_replica = STEPS_PER_EPOCH * GLOBAL_BATCH, GLOBAL_BATCH // 2
@@ -134,6 +155,7 @@ def strategy_cases(checkpoint_dir: str) -> dict[str, Any]:
         "plain": {"losses": plain_losses, "pp": plain.plan.pp, "dp": plain.plan.dp},
         "checkpoints": sorted(p.name for p in Path(checkpoint_dir).iterdir()),
         "step3": sorted(p.name for p in Path(checkpoint_dir, "step=3.ckpt").iterdir()),
+        "waited": rank_zero_outlasting_the_timeout(make_s=1.5, collective_s=1.0),
     }
 
 
@@ -161,6 +183,13 @@ def test_checkpoints_are_sharded_and_published_whole(ranks: list[dict[str, Any]]
     assert result["checkpoints"] == ["step=3.ckpt", "step=6.ckpt"]  # no staging directory left behind
     assert {".metadata", "meta.pt", "plan.json"} <= set(result["step3"])
     assert sum(name.endswith(".distcp") for name in result["step3"]) == 4  # one shard file per rank
+
+
+@pytest.mark.slow
+def test_the_ranks_wait_for_rank_zeros_plan_longer_than_the_collective_timeout(ranks: list[dict[str, Any]]) -> None:
+    """A plan may take minutes on rank 0 (it reports progress); the other ranks wait for it as long as it takes, not
+    as for a hung collective (`timeout`, which a user shortens to catch hangs sooner)."""
+    assert [result["waited"] for result in ranks] == [[10, 20]] * 4
 
 
 @pytest.mark.slow
@@ -287,35 +316,6 @@ def test_without_a_global_batch_the_dataloader_sets_it_or_is_told_how() -> None:
     assert "global batch 8: the DataLoader's batch_size=8 x dp=1" in result["notes"]
     assert result["error"].startswith("HolmesStrategy(global_batch=None)")
     assert "give the DataLoader a batch_size" in result["error"]
-
-
-def rank_zero_outlasting_the_timeout(make_s: float, collective_s: float) -> list[int]:
-    """Rank side: rank 0 takes `make_s` to make what every rank gets (as planning does, alone), broadcast on a gloo
-    group whose collectives time out after `collective_s`; twice, so each wait is told apart from the one before."""
-    dist.init_process_group("gloo")
-    group = dist.new_group(timeout=timedelta(seconds=collective_s))
-
-    def broadcast(made: Any) -> Any:  # as Lightning's strategy.broadcast, on that group
-        box = [made]
-        dist.broadcast_object_list(box, src=0, group=group)
-        return box[0]
-
-    def make(nth: int) -> int:
-        time.sleep(make_s)
-        return 10 * nth + dist.get_rank()
-
-    try:
-        return [from_rank_zero(partial(make, nth), broadcast) for nth in (1, 2)]
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.slow
-def test_the_ranks_wait_for_rank_zeros_plan_longer_than_the_collective_timeout() -> None:
-    """A plan may take minutes on rank 0 (it reports progress); the other ranks wait for it as long as it takes, not
-    as for a hung collective (`timeout`, which a user shortens to catch hangs sooner)."""
-    made = run_ranks("test_strategy:rank_zero_outlasting_the_timeout", "single_node", make_s=1.5, collective_s=1.0)
-    assert made == [[10, 20], [10, 20]]
 
 
 def one_rank_compiled_layer_zero_bubble() -> str:
