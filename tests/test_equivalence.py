@@ -15,7 +15,7 @@ import lightning as L
 import pytest
 from distributed import WIDTHS, LossRecorder, TinyMLP, run_ranks, tiny_loader
 
-SEED, STEPS, GLOBAL_BATCH, MICROBATCHES, DP = 7, 20, 16, 4, 2
+SEED, STEPS, GLOBAL_BATCH, MICROBATCHES, DP = 7, 12, 16, 4, 2
 VAL_SAMPLES, VAL_BATCHES, CLIP = 64, 2, 0.3
 CASES: dict[str, dict[str, Any]] = {
     "gpipe_auto": {"schedule": "GPipe", "partition": "auto"},

@@ -28,7 +28,7 @@ from holmes_lightning.runtime.preemption import HolmesCheckpoint
 from holmes_lightning.topology import Topology
 
 ROOT = Path(__file__).resolve().parents[1]
-FAULT_STEP, HANG_TIMEOUT_S = 2, 10
+FAULT_STEP, HANG_TIMEOUT_S = 2, 5
 NEVER_S = 3600  # a collective timeout no test waits for: only a closed connection or the launcher ends such a wait
 
 
