@@ -122,7 +122,8 @@ def rank_zero_outlasting_the_timeout(make_s: float, collective_s: float) -> list
 
 
 def strategy_cases(checkpoint_dir: str) -> dict[str, Any]:
-    """Rank side: train, checkpoint, resume on the same and on another plan, and train a plain module with pp=1."""
+    """Rank side: train, checkpoint, resume on the same and on another plan, train a plain module with pp=1, then
+    wait for rank 0 longer than the collective timeout (`rank_zero_outlasting_the_timeout`)."""
     samples, per_replica = STEPS_PER_EPOCH * GLOBAL_BATCH, GLOBAL_BATCH // 2
     common = {"cluster": "two_cluster_mixed", "global_batch": GLOBAL_BATCH, "microbatches": 4, "timeout": 120}
     L.seed_everything(SEED)
