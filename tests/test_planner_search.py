@@ -34,10 +34,10 @@ from holmes_lightning.planner.choice import MEMORY_RESOLUTION, STEP_TOLERANCE, c
 from holmes_lightning.planner.cost import CostModel
 from holmes_lightning.planner.cuts import CriticalPaths, PathTables, critical_path
 from holmes_lightning.planner.layout import StageHardware, dp_degrees, holmes_layout
-from holmes_lightning.planner.partition import PartitionStats, search_partition
+from holmes_lightning.planner.partition import PATHS_KNOWN, PartitionStats, search_partition
 from holmes_lightning.planner.report import format_comparison
 from holmes_lightning.planner.schedules import microbatch_problem
-from holmes_lightning.planner.search import SearchStats, balanced_partition, balanced_stages, descend
+from holmes_lightning.planner.search import SearchStats, _has_split, balanced_partition, balanced_stages, descend
 from holmes_lightning.topology import Topology, TopologyError
 
 GB = 1e9
@@ -167,7 +167,8 @@ def requests(draw):
 @given(topology=clusters(max_clusters=4, max_nodes=2, devices=(1, 2)), request=requests(), data=st.data())
 def test_no_expressible_plan_is_faster_than_the_returned_one(topology, request, data):
     """Within the step tolerance of the fastest expressible plan, and of those that fast, the least memory (to the
-    memory resolution of the fastest's peak)."""
+    memory resolution of the fastest's peak). Critical paths bound the split searches from their start or not: with
+    them, the least-memory pass first asks each candidate for any split under its ceilings (`search._has_split`)."""
     options, costs, samples_per_rank = request
     fewest_stages = topology.world_size // dp_degrees(topology)[-1]
     model = data.draw(small_models(max_layers=7, min_layers=max(2, fewest_stages)))
@@ -178,7 +179,8 @@ def test_no_expressible_plan_is_faster_than_the_returned_one(topology, request, 
             best_plan(topology, model, batch, options=options, costs=costs)
         return
     best = min(step for step, _, _ in plans)
-    chosen = best_plan(topology, model, batch, options=options, costs=costs)
+    with mock.patch.object(partition, "PATHS_AFTER", data.draw(st.sampled_from([partition.PATHS_AFTER, 0]))):
+        chosen = best_plan(topology, model, batch, options=options, costs=costs)
     assert chosen.prediction.total_s < best * (1 + STEP_TOLERANCE)
     fast = [(step, peak_gb(candidate, split)) for step, candidate, split in plans if step < best * (1 + STEP_TOLERANCE)]
     fastest_peak = max(memory for step, memory in fast if step <= best * (1 + 1e-9))
@@ -277,6 +279,13 @@ def test_the_split_search_finds_the_best_of_every_split(topology, model, schedul
             firsts = sorted({stops[v + 1], *ways[:, 0].tolist()[::2]})  # some first stops: those ways, and no other
             only = tables.completions(placed, v, stops[v], bar, 10**9, firsts)
             assert set(map(tuple, only.tolist())) == {way for way in map(tuple, ways.tolist()) if way[0] in firsts}
+        # whether any split gets under a bar and a memory ceiling, as the least-memory pass first asks
+        candidate.memory_ceiling = data.draw(st.sampled_from(sorted({candidate.peak_bytes(s) for _, s in fitting})))
+        bar = data.draw(st.sampled_from([step for step, _ in fitting]))
+        under = any(step < bar and candidate.peak_bytes(s) <= candidate.memory_ceiling for step, s in fitting)
+        known = len(paths.found) >= PATHS_KNOWN  # else it does not search, and says there may be one
+        assert _has_split(candidate, bar, SearchStats(), None, paths) == (under or not known)
+        candidate.memory_ceiling = None
         for _, split in fitting[:3]:  # a stage's tail: at least the closing collective and its chunks' shares
             ranges = candidate.bounds_of(split)
             for s, own in enumerate(candidate.own):

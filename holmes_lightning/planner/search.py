@@ -24,6 +24,7 @@ from holmes_lightning.planner.bounds import SuffixBounds, water_level_s
 from holmes_lightning.planner.candidate import Candidate
 from holmes_lightning.planner.cuts import CriticalPaths, critical_path, path_key
 from holmes_lightning.planner.partition import (
+    PATHS_KNOWN,
     ROUNDING,
     PartitionStats,
     search_partition,
@@ -114,8 +115,10 @@ def search(
     (`cuts.path_key`), the critical paths of the splits simulated, to bound splits by and to add to (a split's
     critical path bounds any split under any ceiling). `lowering` (bytes; the least-memory pass): every plan found
     under `ceiling` lowers the memory ceiling of the candidates to its peak less `lowering` and the search goes on
-    under it, `ceiling` kept: the last plan found takes the least memory of all, to `lowering`. `descended`, if
-    given, gets the seeds the search descended, each as the plan it reached (for the least-memory pass to start from).
+    under it, `ceiling` kept: the last plan found takes the least memory of all, to `lowering`. Only a candidate with
+    a split under both ceilings (`_has_split`, quick where its schedule order has paths) is searched that way, whose
+    course decides the plan kept; most have none. `descended`, if given, gets the seeds the search descended, each
+    as the plan it reached (for the least-memory pass to start from).
     """
     stats.candidates += len(candidates)
     best: Found | None = None
@@ -201,6 +204,8 @@ def search(
         stats.searched += 1
         stats.partitions.progress(partial(_next_search, candidate, best))
         pool = paths.setdefault(path_key(candidate), CriticalPaths())
+        if lowering is not None and not _has_split(lowered(candidate), bar, stats, kept, pool):
+            continue
         found = search_partition(
             lowered(candidate), bar, stats.partitions, kept, first=first, paths=pool, lowering=lowering
         )
@@ -213,6 +218,14 @@ def search(
         else:  # every split of it takes `bar` or longer
             lower[preference] = max(lower[preference], bar)
     return best
+
+
+def _has_split(candidate: Candidate, bar: float, stats: SearchStats, tables: SuffixBounds, pool: CriticalPaths) -> bool:
+    """Whether a split of `candidate` gets under `bar` and its memory ceiling, by a search for the first one that
+    bounds by `pool`'s paths from its start and enumerates sooner (`PATHS_KNOWN`; an emptier pool: true, unsearched)."""
+    if len(pool.found) < PATHS_KNOWN:
+        return True
+    return search_partition(candidate, bar, stats.partitions, tables, first=True, paths=pool) is not None
 
 
 def _next_search(candidate: Candidate, best: Found | None) -> str:
