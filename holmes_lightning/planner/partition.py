@@ -13,13 +13,14 @@ Virtual stages are assigned layers front to back. A partial split's lower bound 
   the link carried the m - 1 before it one at a time), then the backwards after it in its order and its drain;
 - the suffix tables' bound for the layers left (`bounds.SuffixBounds`);
 - once a search has run long (`PATHS_AFTER` partial splits), or from the start where earlier searches of the same
-  schedule order found paths (`PATHS_KNOWN`), per critical path of a split simulated so far (in this search or
-  another of the same schedule order, `cuts`), its length over the virtual stages placed plus the least any ranges
-  of the layers left give it: the queueing between stages the other bounds miss.
+  schedule order found paths (`PATHS_KNOWN`) or where any split under the bar will do (`first`), per critical path
+  of a split simulated so far (in this search or another of the same schedule order, `cuts`), its length over the
+  virtual stages placed plus the least any ranges of the layers left give it: the queueing between stages the other
+  bounds miss.
 
 Where the plain subtrees from a virtual stage took the search many partial splits each so far (`ENUMERATION_NODES`),
-or anywhere once the search has run longer still (`WAYS_AFTER`; `KNOWN_WAYS_AFTER` where it started with paths of
-earlier searches), a partial split whose layers left have at most `MOST_WAYS` ways to go enumerates them with every
+or anywhere once the search has run longer still (`WAYS_AFTER`; `KNOWN_WAYS_AFTER` where its paths bound from the
+start), a partial split whose layers left have at most `MOST_WAYS` ways to go enumerates them with every
 path's length summed along each (`PathTables.completions`): only the ways that no path takes to `bar` are expanded,
 the paths coupled (the layers left cannot dodge each path on its own). Before that, the best of those ways are
 simulated (`PROBES`) and their critical paths added, which often leaves none. The children of a partial split that
@@ -61,7 +62,7 @@ PATHS_AFTER = 2000  # partial splits a search visits before it bounds by critica
 PATHS_KNOWN = 2  # a step search whose pool starts with this many paths (found before it) bounds by them at once
 PATHS_TRIAL, PATHS_USEFUL = 2000, 0.1  # a search for any split keeps them if they cut this many children a call
 WAYS_AFTER = 20_000  # partial splits a search visits before it enumerates the ways left (`_probe`) wherever it may
-KNOWN_WAYS_AFTER = 2000  # the same for a step search that starts with paths of earlier searches (`PATHS_KNOWN`)
+KNOWN_WAYS_AFTER = 2000  # the same for a search whose paths bound from its start (`PATHS_KNOWN`, `first`)
 SUBTREES_SEEN = 4  # plain subtrees from a virtual stage a search counts before it may enumerate the ways left there
 ENUMERATION_NODES = 500  # partial splits a plain subtree takes on average where enumerating (`_probe`) pays
 MOST_WAYS = 1_000_000  # splits of the layers left at most, for a search to enumerate them
@@ -236,9 +237,9 @@ class _Search:
         self.candidate, self.tables, self.stats, self.bar, self.first = candidate, tables, stats, bar, first
         self.lowering = lowering
         self.paths, self.cuts, self.began = paths, None, stats.nodes  # `cuts`: built once the search runs long
-        # or at once in a step search with paths of earlier searches, which also enumerates sooner (the least-memory
-        # pass waits: its course picks which of the plans within tolerance it keeps)
-        started = paths is not None and lowering is None and len(paths.found) >= PATHS_KNOWN
+        # or at once in a step search with paths of earlier searches, and in any search for a first split, which also
+        # enumerate sooner (the least-memory pass waits: its course picks which of the plans within tolerance it keeps)
+        started = paths is not None and lowering is None and (first or len(paths.found) >= PATHS_KNOWN)
         self.paths_after, self.ways_after = (0, KNOWN_WAYS_AFTER) if started else (PATHS_AFTER, WAYS_AFTER)
         self.tried_paths = self.cut_by_paths = 0  # calls to `cuts`, and children they alone cut
         self.best: tuple[tuple[int, ...], float] | None = None

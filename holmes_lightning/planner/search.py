@@ -24,7 +24,6 @@ from holmes_lightning.planner.bounds import SuffixBounds, water_level_s
 from holmes_lightning.planner.candidate import Candidate
 from holmes_lightning.planner.cuts import CriticalPaths, critical_path, path_key
 from holmes_lightning.planner.partition import (
-    PATHS_KNOWN,
     ROUNDING,
     PartitionStats,
     search_partition,
@@ -116,8 +115,8 @@ def search(
     critical path bounds any split under any ceiling). `lowering` (bytes; the least-memory pass): every plan found
     under `ceiling` lowers the memory ceiling of the candidates to its peak less `lowering` and the search goes on
     under it, `ceiling` kept: the last plan found takes the least memory of all, to `lowering`. Only a candidate with
-    a split under both ceilings (`_has_split`, quick where its schedule order has paths) is searched that way, whose
-    course decides the plan kept; most have none. `descended`, if given, gets the seeds the search descended, each
+    a split under both ceilings (`_has_split`, a quick search for the first one) is searched that way, whose course
+    decides the plan kept; most have none. `descended`, if given, gets the seeds the search descended, each
     as the plan it reached (for the least-memory pass to start from).
     """
     stats.candidates += len(candidates)
@@ -221,10 +220,8 @@ def search(
 
 
 def _has_split(candidate: Candidate, bar: float, stats: SearchStats, tables: SuffixBounds, pool: CriticalPaths) -> bool:
-    """Whether a split of `candidate` gets under `bar` and its memory ceiling, by a search for the first one that
-    bounds by `pool`'s paths from its start and enumerates sooner (`PATHS_KNOWN`; an emptier pool: true, unsearched)."""
-    if len(pool.found) < PATHS_KNOWN:
-        return True
+    """Whether a split of `candidate` gets under `bar` and its memory ceiling, by a search for the first one (which
+    bounds by `pool`'s paths from its start and enumerates sooner)."""
     return search_partition(candidate, bar, stats.partitions, tables, first=True, paths=pool) is not None
 
 
