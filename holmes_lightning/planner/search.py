@@ -94,7 +94,6 @@ def search(
     ceiling: float = math.inf,
     lower: dict[tuple[int, ...], float] | None = None,
     slack: float = 0.0,
-    first: bool = False,
     tables: dict[tuple[int, ...], SuffixBounds] | None = None,
     paths: dict[tuple, CriticalPaths] | None = None,
     lowering: float | None = None,
@@ -107,17 +106,16 @@ def search(
     `lower`, if given, gets per preference a lower bound on the candidate's step that holds for every split within
     `slack` (a share) of the best plan's step; the tables are built that much looser to give it, and a candidate
     whose split search finds no split under its bar gets that bar (every split of it takes as long or longer: the
-    least-memory pass skips it where the bar is beyond the tolerance). `first`: any plan
-    under `ceiling` will do, the first one found. `tables`: per preference, suffix tables to reuse where built for a
-    bar no lower, and to fill with those of candidates without a memory ceiling (a ceiling only rules splits out, so
-    those bound the same candidate under any ceiling; not the other way round). `paths`: per schedule order
-    (`cuts.path_key`), the critical paths of the splits simulated, to bound splits by and to add to (a split's
-    critical path bounds any split under any ceiling). `lowering` (bytes; the least-memory pass): every plan found
-    under `ceiling` lowers the memory ceiling of the candidates to its peak less `lowering` and the search goes on
-    under it, `ceiling` kept: the last plan found takes the least memory of all, to `lowering`. Only a candidate with
-    a split under both ceilings (`_has_split`, a quick search for the first one) is searched that way, whose course
-    decides the plan kept; most have none. `descended`, if given, gets the seeds the search descended, each
-    as the plan it reached (for the least-memory pass to start from).
+    least-memory pass skips it where the bar is beyond the tolerance). `tables`: per preference, suffix tables to
+    reuse where built for a bar no lower, and to fill with those of candidates without a memory ceiling (a ceiling
+    only rules splits out, so those bound the same candidate under any ceiling; not the other way round). `paths`:
+    per schedule order (`cuts.path_key`), the critical paths of the splits simulated, to bound splits by and to add
+    to (a split's critical path bounds any split under any ceiling). `lowering` (bytes; the least-memory pass): every
+    plan found under `ceiling` lowers the memory ceiling of the candidates to its peak less `lowering` and the search
+    goes on under it, `ceiling` kept: the last plan found takes the least memory of all, to `lowering`. Only a
+    candidate with a split under both ceilings (`_has_split`, a quick search for the first one) is searched that way,
+    whose course decides the plan kept; most have none. `descended`, if given, gets the seeds the search descended,
+    each as the plan it reached (for the least-memory pass to start from).
     """
     stats.candidates += len(candidates)
     best: Found | None = None
@@ -146,8 +144,6 @@ def search(
         stats.seeded += 1
         if step is not None:
             offer(preference, candidate, counts, step)
-            if first and best is not None:
-                return best
         elif fixed(candidate) is not None:
             infeasible(candidate, counts)
         if fixed(candidate) is not None:
@@ -155,7 +151,7 @@ def search(
     if any(fixed(candidate) is not None for _, candidate in candidates):
         return best
     quick = sorted((quick_bound(c), p, c) for p, c in candidates)
-    if not first and lowering is None:  # a better incumbent: balanced splits of candidates that may win, descended
+    if lowering is None:  # a better incumbent: balanced splits of candidates that may win, descended
         seeds = []
         for bound, preference, candidate in quick:
             if best is not None and bound >= best.step_s:
@@ -205,13 +201,9 @@ def search(
         pool = paths.setdefault(path_key(candidate), CriticalPaths())
         if lowering is not None and not _has_split(lowered(candidate), bar, stats, kept, pool):
             continue
-        found = search_partition(
-            lowered(candidate), bar, stats.partitions, kept, first=first, paths=pool, lowering=lowering
-        )
+        found = search_partition(lowered(candidate), bar, stats.partitions, kept, paths=pool, lowering=lowering)
         if found is not None:
             offer(preference, candidate, *found)
-            if first:
-                return best
         elif bar == math.inf:
             infeasible(candidate, None)
         else:  # every split of it takes `bar` or longer
