@@ -167,8 +167,9 @@ def requests(draw):
 @given(topology=clusters(max_clusters=4, max_nodes=2, devices=(1, 2)), request=requests(), data=st.data())
 def test_no_expressible_plan_is_faster_than_the_returned_one(topology, request, data):
     """Within the step tolerance of the fastest expressible plan, and of those that fast, the least memory (to the
-    memory resolution of the fastest's peak). Critical paths bound the split searches from their start or not: with
-    them, the least-memory pass first asks each candidate for any split under its ceilings (`search._has_split`)."""
+    memory resolution of the fastest's peak). The step searches bound by critical paths from their start or not, so
+    the least-memory pass, which first asks each candidate for any split under its ceilings (`search._has_split`),
+    starts with few paths or many."""
     options, costs, samples_per_rank = request
     fewest_stages = topology.world_size // dp_degrees(topology)[-1]
     model = data.draw(small_models(max_layers=7, min_layers=max(2, fewest_stages)))
