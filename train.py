@@ -36,6 +36,7 @@ from holmes_lightning.cli.sites import (
 from holmes_lightning.cli.targets import added_keys
 from holmes_lightning.launch import job
 from holmes_lightning.launch.processes import LAUNCHED_ENV, launched_topology
+from holmes_lightning.launch.shutdown import skip_exit_collections
 from holmes_lightning.planner import BatchSettings, ModelProfile, Plan, PlanError
 from holmes_lightning.planner.sites import Grouping, diloco_options, grouping_label, site_options
 from holmes_lightning.planner.survivors import plan_on_most_nodes
@@ -303,6 +304,7 @@ def make_logger(config: TrainConfig, run_dir: str, site: str | None) -> Logger:
 def cli() -> None:
     """`python train.py OVERRIDES...`: Hydra's config errors too end in one `error:` line and exit code 2."""
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its config errors to us instead of exiting with code 1
+    skip_exit_collections()
     try:
         main()
     except (HydraException, OmegaConfBaseException) as error:

@@ -1,4 +1,5 @@
 import re
+import subprocess
 import sys
 
 import pytest
@@ -88,3 +89,32 @@ def test_holmes_launch_bad_input_is_one_error_line_before_anything_starts(args, 
     out, err = capfd.readouterr()
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
     assert not out and not started.exists()
+
+
+EXIT_ORDER = """
+import atexit, gc
+from holmes_lightning.launch.shutdown import skip_exit_collections
+
+atexit.register(lambda: print("frozen at the last handler:", gc.get_freeze_count() > 0, flush=True))
+skip_exit_collections()
+atexit.register(lambda: print("frozen at a later handler:", gc.get_freeze_count() > 0, flush=True))
+
+
+class Garbage:
+    def __del__(self):
+        print("garbage finalized", flush=True)
+
+
+cycle = Garbage()
+cycle.itself = cycle
+del cycle
+"""
+
+
+def test_a_process_collects_its_garbage_then_freezes_after_the_handlers_registered_later():
+    done = subprocess.run([sys.executable, "-c", EXIT_ORDER], capture_output=True, text=True, check=True)
+    assert done.stdout.splitlines() == [
+        "frozen at a later handler: False",
+        "garbage finalized",
+        "frozen at the last handler: True",
+    ]

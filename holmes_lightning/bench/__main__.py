@@ -49,6 +49,7 @@ from holmes_lightning.bench.report import draw, markdown, regime, write_json
 from holmes_lightning.bench.runner import measure_model, run_bench
 from holmes_lightning.bench.sites import run_sites_bench
 from holmes_lightning.cli.config import register_configs
+from holmes_lightning.launch.shutdown import skip_exit_collections
 from holmes_lightning.measure.calibration import CACHE_ENV
 from holmes_lightning.topology import Topology, config_dir
 
@@ -128,6 +129,7 @@ def run(config: BenchJobConfig, out_dir: Path) -> Path:
 
 @hydra.main(version_base=None, config_path=str(config_dir()), config_name="benchmark")
 def _hydra_main(cfg: DictConfig) -> None:
+    skip_exit_collections()
     try:
         config: BenchJobConfig = OmegaConf.to_object(cfg)
     except ValueError as err:  # ConfigError from the schema's checks

@@ -32,6 +32,7 @@ from lightning.pytorch.callbacks import Callback
 from holmes_lightning.bench.config import BenchSettings
 from holmes_lightning.bench.model import BenchModel
 from holmes_lightning.bench.worker import QUIET_TRAINER, StepTimer
+from holmes_lightning.launch.shutdown import skip_exit_collections
 from holmes_lightning.measure.calibration import CACHE_ENV
 from holmes_lightning.recipes import ByteCorpusDataModule
 from holmes_lightning.runtime import HolmesStrategy
@@ -232,6 +233,7 @@ def run_overhead_bench(settings: BenchSettings, out_dir: Path) -> tuple[list[Ove
 
 
 if __name__ == "__main__":
+    skip_exit_collections()
     spec_path = Path(sys.argv[1])
     result = train_once(json.loads(spec_path.read_text()))
     (spec_path.parent / "result.json").write_text(json.dumps(result))

@@ -27,6 +27,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 
 from holmes_lightning.bench.model import BenchModel
+from holmes_lightning.launch.shutdown import skip_exit_collections
 from holmes_lightning.measure import (
     file_resident_bytes,
     peak_resident_bytes,
@@ -190,6 +191,7 @@ def train(spec: dict, run: dict, topology: Topology, rank: int) -> dict:
 
 def main(spec: dict) -> None:
     """Every run of the spec in order, in this one process (later runs reuse the default process group)."""
+    skip_exit_collections()
     rank = default_environment().global_rank()
     topology = Topology.from_dict(spec["topology"])
     runs = [train(spec, run, topology, rank) for run in spec["runs"]]

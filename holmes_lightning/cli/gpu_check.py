@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from holmes_lightning.cli.config import ModelConfig
+from holmes_lightning.launch.shutdown import skip_exit_collections
 
 SEED = 7
 CLIP_NORM = 0.1  # small enough that the GPT's gradients at initialisation are clipped in every step
@@ -500,6 +501,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--processes", type=int, default=None, help="devices multi_gpu may use (default: every GPU; on CPU 2)"
     )
     args = parser.parse_args(argv)
+    skip_exit_collections()
     return run_checks(args.device, args.processes)
 
 

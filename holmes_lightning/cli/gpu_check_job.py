@@ -33,6 +33,7 @@ from holmes_lightning.cli.gpu_check import (
     Workload,
 )
 from holmes_lightning.cli.models import gpt
+from holmes_lightning.launch.shutdown import skip_exit_collections
 from holmes_lightning.measure import (
     calibration,
     peak_resident_bytes,
@@ -262,6 +263,7 @@ def run_job(spec: dict[str, Any]) -> dict[str, Any] | None:
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m holmes_lightning.cli.gpu_check_job SPEC REPORT` on every rank; rank 0 writes REPORT."""
     spec, report = argv if argv is not None else sys.argv[1:]
+    skip_exit_collections()
     result = run_job(json.loads(spec))
     if int(os.environ.get("RANK", "0")) == 0:
         Path(report).write_text(json.dumps(result))

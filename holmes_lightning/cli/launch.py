@@ -26,6 +26,7 @@ from holmes_lightning.cli.config import ConfigError, ElasticConfig, LabConfig, L
 from holmes_lightning.lab.run import run_in_lab
 from holmes_lightning.launch.job import RESTART_ENV
 from holmes_lightning.launch.processes import JobEnd, launch_job
+from holmes_lightning.launch.shutdown import skip_exit_collections
 from holmes_lightning.planner.sites import find_grouping
 from holmes_lightning.topology import ClusterSpec, Topology, config_dir
 
@@ -147,6 +148,7 @@ def parse_args(argv: Sequence[str]) -> tuple[LaunchConfig, list[str]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`holmes-launch`: bad input gives one `error:` line and exit code 2; otherwise the job's exit code."""
+    skip_exit_collections()
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] in (["-h"], ["--help"]):
         print(USAGE)

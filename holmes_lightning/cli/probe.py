@@ -30,6 +30,7 @@ from holmes_lightning.cli.launch import start_ranks
 from holmes_lightning.lab.bandwidth import gloo_bytes_per_s, pair_group, socket_bytes_per_s
 from holmes_lightning.lab.design import format_scale
 from holmes_lightning.lab.run import LAB_BANDWIDTH_SCALE_ENV
+from holmes_lightning.launch.shutdown import skip_exit_collections
 from holmes_lightning.runtime.environment import FABRIC_ADDRESS_ENV, NODE_ADDRESS_ENV
 from holmes_lightning.topology import ClusterSpec, Topology, config_dir
 
@@ -251,6 +252,7 @@ def plot(summaries: list[ClassSummary], scale: float, title: str, path: str) -> 
 
 def main(argv: list[str] | None = None) -> int:
     overrides = list(sys.argv[1:] if argv is None else argv)
+    skip_exit_collections()
     try:
         config = load_config(overrides)
         topology = Topology(config.cluster)

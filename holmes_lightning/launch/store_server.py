@@ -10,10 +10,12 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from holmes_lightning.launch.outer_store import LOST_SITES_KEY, SEPARATOR
+from holmes_lightning.launch.shutdown import skip_exit_collections
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     host, port = argv or sys.argv[1:]
+    skip_exit_collections()
     store = dist.TCPStore(host, int(port), None, True, timedelta(hours=24), wait_for_workers=False)
     store.set(LOST_SITES_KEY, "")
     for line in sys.stdin:
