@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from holmes_lightning.launch.processes import launch
+from holmes_lightning.launch.shutdown import skip_exit_collections
 from holmes_lightning.topology import Topology
 
 FEATURES, CLASSES = 8, 4
@@ -162,6 +163,7 @@ class LossRecorder(L.Callback):
 
 
 def _main(target: str, kwargs: str, out: str) -> None:
+    skip_exit_collections()
     module_name, function_name = target.split(":")
     result = getattr(importlib.import_module(module_name), function_name)(**json.loads(kwargs))
     Path(out, f"rank{os.environ['RANK']}.json").write_text(json.dumps(result))
