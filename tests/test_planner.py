@@ -1,5 +1,6 @@
 """The Holmes planner: layouts, the partition, degrees, feasibility errors and the comparison with alternatives."""
 
+import itertools
 from dataclasses import replace
 
 import pytest
@@ -25,7 +26,7 @@ from holmes_lightning.planner import (
     compare_plans,
 )
 from holmes_lightning.planner.choice import STEP_TOLERANCE
-from holmes_lightning.planner.layout import dp_degrees, group_orders, holmes_layout
+from holmes_lightning.planner.layout import StageHardware, dp_degrees, group_orders, holmes_layout, megatron_layout
 from holmes_lightning.planner.options import MODELLED_SCHEDULES
 from holmes_lightning.planner.report import format_plan
 from holmes_lightning.topology import LinkKind, NICKind, Topology, shipped_cluster_names
@@ -112,6 +113,39 @@ def test_groups_of_one_line_rate_but_another_transport_are_both_tried_first():
     assert [[g.cluster for g in order] for order in group_orders(mixed)] == [["A", "B"], ["B", "A"]]
     clusters[0]["nic"]["kind"] = "roce"
     assert len(group_orders(Topology.from_config({"name": "rdma_twice", "clusters": clusters}))) == 1
+
+
+@settings(max_examples=5, deadline=None)
+@given(st.lists(st.sampled_from([10, 25, 40, 100]), min_size=21, max_size=21))
+def test_beyond_the_orders_searched_those_with_the_fastest_boundaries_are_kept_config_order_first(speeds):
+    """Seven distinct clusters have 5,040 orders, more than MAX_GROUP_ORDERS: the kept ones are, in permutation
+    order, the (at most 24) whose boundaries take the least time per byte, as each order's own links give it."""
+    names = "ABCDEFG"
+    clusters = [{"name": n, "nodes": 1, "nic": {"kind": "ethernet", "gbps": 100 + 10 * i}} for i, n in enumerate(names)]
+    pairs = [
+        {"clusters": list(pair), "gbps": g} for pair, g in zip(itertools.combinations(names, 2), speeds, strict=True)
+    ]
+    topology = Topology.from_config(
+        {"name": "seven", "clusters": clusters, "inter_cluster": {"gbps": 100, "pairs": pairs}}
+    )
+
+    def seconds_per_byte(order):
+        return sum(1 / topology.cluster_link(a.cluster, b.cluster).bytes_per_s for a, b in itertools.pairwise(order))
+
+    every = list(itertools.permutations(topology.nic_groups()))
+    best = min(map(seconds_per_byte, every))
+    fastest = [order for order in every if seconds_per_byte(order) <= best * (1 + 1e-9)][:24]
+    assert group_orders(topology) == fastest
+
+
+def test_stage_hardware_worked_out_once_per_stage_is_the_hardware_worked_out_per_layout():
+    topology = Topology.from_config("paper_4ib_4roce")
+    known = {}
+    layouts = [holmes_layout(order, dp) for dp in dp_degrees(topology) for order in group_orders(topology)]
+    layouts += [megatron_layout(topology, topology.world_size // dp, dp) for dp in (1, 8, 64)]  # TCP communicators
+    for layout in layouts:
+        assert StageHardware.of(topology, layout, known) == StageHardware.of(topology, layout)
+    assert len(known) < 3 * sum(layout.pp for layout in layouts)  # layouts shared what they could
 
 
 def test_two_cluster_mixed_puts_one_stage_per_cluster_and_beats_the_alternatives():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 from holmes_lightning.planner.bounds import SuffixBounds
 from holmes_lightning.planner.candidate import GB, Candidate, RangeCosts, predict_step
@@ -86,7 +87,8 @@ def best_plan(
     problems: list[str] = []
     limit, bound = _memory_bound(options, costs)
     layouts = _layouts(topology, options, profile, problems)
-    hardware = [StageHardware.of(topology, layout) for layout in layouts]
+    known: dict[tuple, Any] = {}
+    hardware = [StageHardware.of(topology, layout, known) for layout in layouts]
     stats.layouts += len(layouts)
     shardings = (Sharding.fsdp, Sharding.none) if options.sharding is Sharding.auto else (options.sharding,)
     settings = []

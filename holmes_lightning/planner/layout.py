@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from holmes_lightning.planner.options import LayoutKind
 from holmes_lightning.topology import Link, LinkKind, NICGroup, NICKind, Topology
@@ -119,14 +121,26 @@ class StageHardware:
     send_links: tuple[Link, ...]
 
     @classmethod
-    def of(cls, topology: Topology, layout: Layout) -> StageHardware:
-        stages = layout.stages
+    def of(cls, topology: Topology, layout: Layout, known: dict[tuple, Any] | None = None) -> StageHardware:
+        """`known`: what earlier calls on `topology` worked out per stage and boundary, kept for the next calls
+        (layouts share their stages, and each takes a pass over every rank: 32,768 at the largest scale)."""
+        known = {} if known is None else known
+
+        def once(key: tuple, work: Callable[[], Any]) -> Any:
+            if key not in known:
+                known[key] = work()
+            return known[key]
+
+        stages, rdma = layout.stages, layout.rdma
         following = stages[1:] + stages[:1]  # the last stage sends to the first (interleaved schedules)
         return cls(
-            tflops=tuple(min(topology.device_tflops(r) for r in stage.ranks) for stage in stages),
-            dp_links=tuple(topology.slowest_link(stage.ranks, layout.rdma) for stage in stages),
+            tflops=tuple(
+                once(("tflops", s), lambda s=s: min(topology.device_tflops(r) for r in s.ranks)) for s in stages
+            ),
+            dp_links=tuple(once(("dp", s, rdma), lambda s=s: topology.slowest_link(s.ranks, rdma)) for s in stages),
             send_links=tuple(
-                boundary_link(topology, a, b, layout.rdma) for a, b in zip(stages, following, strict=True)
+                once(("send", a, b, rdma), lambda a=a, b=b: boundary_link(topology, a, b, rdma))
+                for a, b in zip(stages, following, strict=True)
             ),
         )
 
@@ -191,10 +205,9 @@ def _interchangeable(topology: Topology, groups: tuple[NICGroup, ...]) -> list[i
 def _fastest_boundaries(topology: Topology, groups: tuple[NICGroup, ...]) -> list[tuple[NICGroup, ...]]:
     """Group orders whose boundaries between groups take the least time per byte (config order first), at most 24."""
 
-    def seconds_per_byte(order: tuple[NICGroup, ...]) -> float:
-        return sum(1 / topology.cluster_link(a.cluster, b.cluster).bytes_per_s for a, b in itertools.pairwise(order))
-
-    orders = list(itertools.islice(itertools.permutations(groups), 40320))
-    scores = [seconds_per_byte(order) for order in orders]
+    per_byte = [[1 / topology.cluster_link(a.cluster, b.cluster).bytes_per_s for b in groups] for a in groups]
+    orders = list(itertools.islice(itertools.permutations(range(len(groups))), 40320))
+    scores = [sum(per_byte[a][b] for a, b in itertools.pairwise(order)) for order in orders]
     best = min(scores)
-    return [order for order, score in zip(orders, scores, strict=True) if score <= best * (1 + 1e-9)][:24]
+    kept = [order for order, score in zip(orders, scores, strict=True) if score <= best * (1 + 1e-9)][:24]
+    return [tuple(groups[i] for i in order) for order in kept]
