@@ -11,7 +11,7 @@ from holmes_lightning.planner.layout import Layout, StageHardware
 from holmes_lightning.planner.options import Backend, Checkpointing, Schedule
 from holmes_lightning.planner.plan_types import StagePlan, StepPrediction, locate_virtual, virtual_stages
 from holmes_lightning.planner.profile import ModelProfile
-from holmes_lightning.planner.schedules import held_at_peaks, peak_stash
+from holmes_lightning.planner.schedules import peak_stash
 from holmes_lightning.planner.sharing import CoreSharing
 from holmes_lightning.planner.simulate import BUFFERED_BACKENDS, Replay, simulate
 from holmes_lightning.topology import Link
@@ -72,7 +72,7 @@ class Candidate:
         # the optimizer step (and a pass without pipeline) runs while every rank computes
         self.all_busy = 1.0 if self.sharing is None else self.sharing.all_busy(pp)
         self.buffered = self.cost.backend in BUFFERED_BACKENDS
-        self.held = [held_at_peaks(order, self.chunks) for order in self.replay.orders]
+        self.held = self.replay.held  # worked out once per schedule, pp, micro-batches and chunks
         self.in_flight = [peak_stash(held, [1.0] * self.chunks) for held in self.held]
         self.shapes = PathShapes.of(self.schedule, pp, self.microbatches, self.chunks, gated=not self.buffered)
         hardware, dp = self.hardware, self.layout.dp

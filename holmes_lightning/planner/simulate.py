@@ -41,7 +41,7 @@ from typing import NamedTuple
 
 from holmes_lightning.planner.options import Backend, Schedule
 from holmes_lightning.planner.plan_types import StagePlan, locate_virtual, virtual_stage
-from holmes_lightning.planner.schedules import FULL, INPUT, WEIGHT, Action, stage_actions
+from holmes_lightning.planner.schedules import FULL, INPUT, WEIGHT, Action, held_at_peaks, stage_actions
 from holmes_lightning.planner.sharing import CoreSharing, settle
 
 # recv posted just before its action? (torch's schedule runtime, which runs the multi-chunk schedules, posts early)
@@ -431,6 +431,11 @@ class Replay:
                     counts["send"][k] += 1
                     node = ready
         return CriticalPath(**{kind: tuple(values) for kind, values in counts.items()}, stage=stage)
+
+    @cached_property
+    def held(self) -> tuple[tuple[tuple[int, ...], ...], ...]:
+        """Per stage, the micro-batches each chunk holds where its stash can peak (`held_at_peaks` of its order)."""
+        return tuple(held_at_peaks(order, self.chunks) for order in self.orders)
 
     @cached_property
     def _predecessors(self) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
