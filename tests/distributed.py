@@ -1,16 +1,20 @@
 """Multi-process test runs: `run_ranks` starts one process per rank of a cluster and collects what each returns.
 
-Ranks are started by `holmes_lightning.launch.processes.launch` exactly like a torchrun job on this machine (gloo,
-loopback).
-Each rank runs `python tests/distributed.py MODULE:FUNCTION KWARGS OUT`, calls the function with the keyword
-arguments and writes its JSON result to OUT/rank<N>.json. Also here: a tiny LightningModule that follows the
-pipeline contract, and its data, so equivalence tests compare the same model in and out of HolmesStrategy.
+Each rank is a process of its own with torchrun's variables, as `holmes_lightning.launch.processes` sets them for a
+job on this machine (gloo, loopback); it calls MODULE:FUNCTION with the keyword arguments and writes its JSON result
+to OUT/rank<N>.json. By default the ranks are forked from one server process that imported Lightning once per test
+session (a fresh interpreter spends ~5 s of CPU on that import, most of a small test's time); `launcher=True` runs
+`python tests/distributed.py MODULE:FUNCTION KWARGS OUT` under the launcher itself, for tests of its supervision.
+Also here: a tiny LightningModule that follows the pipeline contract, and its data, so equivalence tests compare the
+same model in and out of HolmesStrategy.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import sys
@@ -26,12 +30,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from holmes_lightning.launch.processes import launch
+from holmes_lightning.launch.processes import free_port, launch, rank_env
 from holmes_lightning.launch.shutdown import skip_exit_collections
 from holmes_lightning.topology import Topology
 
 FEATURES, CLASSES = 8, 4
 WIDTHS = (FEATURES, 48, 48, 16, 16, 16, CLASSES)  # wide first layers: an auto partition differs from uniform
+
+# The server imports HolmesStrategy (and Lightning) once, from the installed package: on Python 3.11 it does not
+# see tests/ on its path, each rank imports this module after the fork.
+_FORKS = multiprocessing.get_context("forkserver")
+_FORKS.set_forkserver_preload(["holmes_lightning.runtime", "holmes_lightning.launch.processes"])
 
 
 def run_ranks(
@@ -39,18 +48,70 @@ def run_ranks(
     cluster: str | dict = "two_cluster_mixed",
     timeout_s: float = 300,
     env: dict[str, str] | None = None,
+    launcher: bool = False,
     **kwargs: Any,
 ) -> list[Any]:
-    """Run `target` ("module:function", module importable from tests/) on every rank; returns results by rank."""
+    """Run `target` ("module:function", module importable from tests/) on every rank; returns results by rank.
+
+    `env`: variables every rank gets on top of this process's; `launcher`: start the ranks with `launch` (a fresh
+    interpreter each) rather than forking them."""
     topology = Topology.from_config(cluster)
     with tempfile.TemporaryDirectory() as out:
-        command = [sys.executable, str(Path(__file__).resolve()), target, json.dumps(kwargs), out]
-
         with deadline(timeout_s, f"{target} on {topology.world_size} ranks"):
-            code = launch(command, topology, node_env=(lambda _node: env) if env else None, grace_s=5)
+            if launcher:
+                command = [sys.executable, str(Path(__file__).resolve()), target, json.dumps(kwargs), out]
+                code = launch(command, topology, node_env=(lambda _node: env) if env else None, grace_s=5)
+            else:
+                code = _run_forked(target, kwargs, out, topology, env or {})
         if code != 0:
             raise RuntimeError(f"{target} failed on some rank with exit code {code} (rank output is above)")
         return [json.loads(Path(out, f"rank{rank}.json").read_text()) for rank in range(topology.world_size)]
+
+
+def _run_forked(target: str, kwargs: dict[str, Any], out: str, topology: Topology, env: dict[str, str]) -> int:
+    """Each rank forked from the preloaded server with `launch`'s variables; once one fails the others get SIGTERM
+    and, after 5 s, SIGKILL. Returns 0, or the first failure's code (128 + N for a rank killed by signal N). Each
+    rank's output is printed here, after the job, to this process's stderr."""
+    port = free_port()
+    threads = os.environ.get("OMP_NUM_THREADS", "1")
+    ranks = []
+    for rank in range(topology.world_size):
+        rank_vars = {**os.environ, "OMP_NUM_THREADS": threads, **rank_env(topology, rank, "127.0.0.1", port), **env}
+        ranks.append(_FORKS.Process(target=_forked_rank, args=(target, kwargs, out, rank_vars), daemon=False))
+    try:
+        for process in ranks:
+            process.start()
+        failures: list[int] = []
+        while not failures and any(process.exitcode is None for process in ranks):
+            multiprocessing.connection.wait([process.sentinel for process in ranks if process.exitcode is None])
+            failures = [process.exitcode for process in ranks if process.exitcode]
+        code = min(failures, key=lambda c: c > 0, default=0)  # a rank killed by a signal likely failed the others
+        return code if code >= 0 else 128 - code
+    finally:
+        for process in ranks:
+            if process.exitcode is None:
+                process.terminate()
+        for process in ranks:
+            process.join(timeout=5)
+            if process.exitcode is None:
+                process.kill()
+                process.join()
+        for rank in range(len(ranks)):
+            log = Path(out, f"rank{rank}.log")
+            if log.exists() and log.stat().st_size:
+                print(f"--- rank {rank} ---\n{log.read_text()}", file=sys.stderr, end="", flush=True)
+
+
+def _forked_rank(target: str, kwargs: dict[str, Any], out: str, rank_vars: dict[str, str]) -> None:
+    """A forked rank: this rank's variables and output file, then the target (`_main`)."""
+    os.environ.clear()
+    os.environ.update(rank_vars)
+    torch.set_num_threads(int(rank_vars["OMP_NUM_THREADS"]))
+    log = os.open(Path(out, f"rank{rank_vars['RANK']}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    for stream in (1, 2):
+        os.dup2(log, stream)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _main(target, json.dumps(kwargs), out)
 
 
 @contextmanager

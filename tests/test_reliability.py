@@ -67,7 +67,9 @@ def _fault_run(capfd: pytest.CaptureFixture, tmp_path: Path, cluster: str, **kwa
     """Run the faulty job (run_ranks fails it if it hangs); returns the launcher's stderr and the ranks' pids."""
     target = "test_reliability:train_until_a_fault"
     with pytest.raises(RuntimeError, match="failed on some rank") as failure:
-        run_ranks(target, cluster=cluster, job_cluster=cluster, pid_dir=str(tmp_path), timeout_s=300, **kwargs)
+        run_ranks(
+            target, cluster=cluster, job_cluster=cluster, pid_dir=str(tmp_path), timeout_s=300, launcher=True, **kwargs
+        )
     pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
     return capfd.readouterr().err + str(failure.value), pids
 
