@@ -1,6 +1,7 @@
 """A user's script training Hugging Face causal LMs across two_cluster_mixed: `python hf_script.py FAMILY SCHEDULE
 PADDING OUT [PRETRAINED_DIR]`, or one after another in the same processes: `python hf_script.py --cases OUT
-FAMILY,SCHEDULE,PADDING ...` (each into OUT/FAMILY-SCHEDULE-PADDING).
+FAMILY,SCHEDULE,PADDING[,PRETRAINED_DIR] ...` (each into OUT/FAMILY-SCHEDULE-PADDING, `-pretrained` added with a
+directory).
 
 pp=2 x dp=2 (Lightning's launcher starts the 4 processes), dict batches from a DataLoader that splits its data with
 `DistributedSampler(**trainer.strategy.distributed_sampler_kwargs)`, no `example_input_array`. Rows are padded on
@@ -126,13 +127,14 @@ def main(family: str, schedule: str, padding: str, out: str, pretrained: str | N
     strategy.save_hf(Path(out, "hf"))
 
 
-def case_dir(out: str, family: str, schedule: str, padding: str) -> str:
-    return str(Path(out, f"{family}-{schedule}-{padding}"))
+def case_dir(out: str, family: str, schedule: str, padding: str, pretrained: str | None = None) -> str:
+    return str(Path(out, f"{family}-{schedule}-{padding}" + ("-pretrained" if pretrained else "")))
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "--cases":
         for case in sys.argv[3:]:
-            main(*case.split(","), case_dir(sys.argv[2], *case.split(",")))
+            family, schedule, padding, *pretrained = case.split(",")
+            main(family, schedule, padding, case_dir(sys.argv[2], *case.split(",")), *pretrained)
     else:
         main(*sys.argv[1:])

@@ -33,6 +33,7 @@ CASES = [
     ("gemma", "1F1B", "right"),
     ("llama", "ZBVZeroBubble", "right"),  # V placement: the tied embedding and head both on the first stage
 ]
+PRETRAINED = ("llama", "GPipe", "right")  # the same launch, built from a saved directory: each rank loads its stage
 ENV_SECONDS = {"HOLMES_CALIBRATION_SECONDS": "0.05", "OMP_NUM_THREADS": "1"}
 
 
@@ -56,10 +57,18 @@ def rank_results(out: str | Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def every_case(tmp_path_factory) -> Path:
-    """All of `CASES` trained one after another by one launch of the script (its ranks start once)."""
+    """All of `CASES`, then `PRETRAINED` from a directory `pretrained_source` saved, trained one after another by one
+    launch of the script (its ranks start once)."""
     out = tmp_path_factory.mktemp("hf_cases")
-    run_script("--cases", str(out), *(",".join(case) for case in CASES), cwd=str(out))
+    torch.manual_seed(0)
+    pretrained_source().save_pretrained(out / "pretrained")
+    cases = [",".join(case) for case in CASES] + [",".join((*PRETRAINED, str(out / "pretrained")))]
+    run_script("--cases", str(out), *cases, cwd=str(out))
     return out
+
+
+def pretrained_source() -> tf.PreTrainedModel:
+    return tf.AutoModelForCausalLM.from_config(hf_script.CONFIGS[PRETRAINED[0]]())
 
 
 def reference(family: str, padding: str, source: object = None) -> tuple[list[float], HFItself]:
@@ -105,16 +114,11 @@ def test_an_hf_model_trains_across_the_clusters_as_in_one_process(family, schedu
 
 
 @pytest.mark.slow
-def test_a_pretrained_directory_loads_stage_by_stage_and_starts_at_hfs_loss(tmp_path):
-    torch.manual_seed(0)
-    pretrained = tmp_path / "pretrained"
-    tf.AutoModelForCausalLM.from_config(hf_script.CONFIGS["llama"]()).save_pretrained(pretrained)
-    out = tmp_path / "run"
-    out.mkdir()
-    run_script("llama", "GPipe", "right", str(out), str(pretrained), cwd=str(out))
-    ranks = rank_results(out)
+def test_a_pretrained_directory_loads_stage_by_stage_and_starts_at_hfs_loss(every_case):
+    pretrained = every_case / "pretrained"
+    ranks = rank_results(hf_script.case_dir(str(every_case), *PRETRAINED, str(pretrained)))
     first = ranks[0]["losses"][0]
-    batch = next(iter(DataLoader(hf_script.PaddedTokens("right"), batch_size=hf_script.GLOBAL_BATCH)))
+    batch = next(iter(DataLoader(hf_script.PaddedTokens(PRETRAINED[2]), batch_size=hf_script.GLOBAL_BATCH)))
     with torch.no_grad():
         hf_loss = tf.AutoModelForCausalLM.from_pretrained(pretrained)(**batch).loss
     assert first == pytest.approx(float(hf_loss), rel=1e-5)
