@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -70,13 +71,14 @@ def run_ranks(
 
 def _run_forked(target: str, kwargs: dict[str, Any], out: str, topology: Topology, env: dict[str, str]) -> int:
     """Each rank forked from the preloaded server with `launch`'s variables; once one fails the others get SIGTERM
-    and, after 5 s, SIGKILL. Returns 0, or the first failure's code (128 + N for a rank killed by signal N). Each
+    and, after 5 s, SIGKILL. Returns 0, or a failed rank's code (one killed by signal N first, as 128 + N). Each
     rank's output is printed here, after the job, to this process's stderr."""
     port = free_port()
     threads = os.environ.get("OMP_NUM_THREADS", "1")
     ranks = []
     for rank in range(topology.world_size):
         rank_vars = {**os.environ, "OMP_NUM_THREADS": threads, **rank_env(topology, rank, "127.0.0.1", port), **env}
+        # not daemonic: a rank may start processes of its own (DataLoader workers)
         ranks.append(_FORKS.Process(target=_forked_rank, args=(target, kwargs, out, rank_vars), daemon=False))
     try:
         for process in ranks:
@@ -91,8 +93,9 @@ def _run_forked(target: str, kwargs: dict[str, Any], out: str, topology: Topolog
         for process in ranks:
             if process.exitcode is None:
                 process.terminate()
+        grace_ends = time.monotonic() + 5
         for process in ranks:
-            process.join(timeout=5)
+            process.join(timeout=max(0.0, grace_ends - time.monotonic()))
             if process.exitcode is None:
                 process.kill()
                 process.join()
@@ -110,6 +113,7 @@ def _forked_rank(target: str, kwargs: dict[str, Any], out: str, rank_vars: dict[
     log = os.open(Path(out, f"rank{rank_vars['RANK']}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     for stream in (1, 2):
         os.dup2(log, stream)
+    os.close(log)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _main(target, json.dumps(kwargs), out)
 

@@ -57,18 +57,14 @@ def rank_results(out: str | Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def every_case(tmp_path_factory) -> Path:
-    """All of `CASES`, then `PRETRAINED` from a directory `pretrained_source` saved, trained one after another by one
-    launch of the script (its ranks start once)."""
+    """All of `CASES`, then `PRETRAINED` from a directory saved here, trained one after another by one launch of the
+    script (its ranks start once)."""
     out = tmp_path_factory.mktemp("hf_cases")
     torch.manual_seed(0)
-    pretrained_source().save_pretrained(out / "pretrained")
+    tf.AutoModelForCausalLM.from_config(hf_script.CONFIGS[PRETRAINED[0]]()).save_pretrained(out / "pretrained")
     cases = [",".join(case) for case in CASES] + [",".join((*PRETRAINED, str(out / "pretrained")))]
     run_script("--cases", str(out), *cases, cwd=str(out))
     return out
-
-
-def pretrained_source() -> tf.PreTrainedModel:
-    return tf.AutoModelForCausalLM.from_config(hf_script.CONFIGS[PRETRAINED[0]]())
 
 
 def reference(family: str, padding: str, source: object = None) -> tuple[list[float], HFItself]:
