@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from holmes_lightning.launch.processes import free_port, launch, rank_env
+from holmes_lightning.launch.processes import free_port, launch, process_env, rank_env
 from holmes_lightning.launch.shutdown import skip_exit_collections
 from holmes_lightning.topology import Topology
 
@@ -74,10 +74,9 @@ def _run_forked(target: str, kwargs: dict[str, Any], out: str, topology: Topolog
     and, after 5 s, SIGKILL. Returns 0, or a failed rank's code (one killed by signal N first, as 128 + N). Each
     rank's output is printed here, after the job, to this process's stderr."""
     port = free_port()
-    threads = os.environ.get("OMP_NUM_THREADS", "1")
     ranks = []
     for rank in range(topology.world_size):
-        rank_vars = {**os.environ, "OMP_NUM_THREADS": threads, **rank_env(topology, rank, "127.0.0.1", port), **env}
+        rank_vars = process_env(rank_env(topology, rank, "127.0.0.1", port), env)
         # not daemonic: a rank may start processes of its own (DataLoader workers)
         ranks.append(_FORKS.Process(target=_forked_rank, args=(target, kwargs, out, rank_vars), daemon=False))
     try:

@@ -71,6 +71,12 @@ def rank_env(topology: Topology, rank: int, master_addr: str, master_port: int) 
     }
 
 
+def process_env(rank_vars: dict[str, str], extra: dict[str, str] | None = None) -> dict[str, str]:
+    """A rank's whole environment: this process's, one OpenMP thread unless it sets more, the rank's variables
+    (`rank_env`), then `extra`."""
+    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **rank_vars, **(extra or {})}
+
+
 def launched_topology() -> Topology | None:
     """The cluster holmes-launch started this process as a rank of (None: another launcher)."""
     text = os.environ.get(TOPOLOGY_ENV)
@@ -132,8 +138,7 @@ def launch_job(
     try:
         for rank, rank_vars in enumerate(envs):
             node = topology.ranks[rank].node
-            env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **rank_vars}
-            env.update(node_env(node) if node_env else {})
+            env = process_env(rank_vars, node_env(node) if node_env else None)
             argv = [*(node_prefix(node) if node_prefix else []), *command]
             procs.append(RankProcess(rank, node, subprocess.Popen(argv, env=env)))
         return _supervise(procs, topology, grace_s, losses)
