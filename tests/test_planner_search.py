@@ -256,7 +256,21 @@ def test_the_split_search_finds_the_best_of_every_split(topology, model, schedul
             mock.patch.object(path_cuts, "SCREEN", data.draw(st.sampled_from([1, path_cuts.SCREEN]))),
         ):
             by_paths = search_partition(candidate, math.inf, PartitionStats(), paths=paths)
+            # under a bar and a memory ceiling, as the least-memory pass searches: whether any split gets under both
+            # (`_has_split`), and the one it keeps when each split found lowers the ceiling below its own peak; the
+            # enumerations leave out the ranges over the ceiling
+            peaks = sorted({candidate.peak_bytes(s) for _, s in fitting})
+            ceiling, bar = data.draw(st.sampled_from(peaks)), data.draw(st.sampled_from([step for step, _ in fitting]))
+            under = [peak for step, s in fitting if step < bar and (peak := candidate.peak_bytes(s)) <= ceiling]
+            candidate.memory_ceiling = ceiling
+            assert _has_split(candidate, bar, SearchStats(), None, paths) == bool(under)
+            lowering = data.draw(st.sampled_from([1.0, (peaks[-1] - peaks[0]) / 4 or 1.0]))
+            kept = search_partition(candidate, bar, PartitionStats(), paths=paths, lowering=lowering)
+            candidate.memory_ceiling = None
         assert by_paths is not None and by_paths[1] == pytest.approx(found[1], rel=1e-9)
+        assert (kept is not None) == bool(under)
+        if kept is not None:
+            assert kept[1] < bar and candidate.peak_bytes(kept[0]) <= min(under) + lowering
         least: dict[tuple[int, ...], float] = {}  # per leading counts: the least step of the splits that have them
         for step, split in fitting:
             for v in range(1, len(split) + 1):
@@ -280,12 +294,6 @@ def test_the_split_search_finds_the_best_of_every_split(topology, model, schedul
             firsts = sorted({stops[v + 1], *ways[:, 0].tolist()[::2]})  # some first stops: those ways, and no other
             only = tables.completions(placed, v, stops[v], bar, 10**9, firsts)
             assert set(map(tuple, only.tolist())) == {way for way in map(tuple, ways.tolist()) if way[0] in firsts}
-        # whether any split gets under a bar and a memory ceiling, as the least-memory pass first asks
-        candidate.memory_ceiling = data.draw(st.sampled_from(sorted({candidate.peak_bytes(s) for _, s in fitting})))
-        bar = data.draw(st.sampled_from([step for step, _ in fitting]))
-        under = any(step < bar and candidate.peak_bytes(s) <= candidate.memory_ceiling for step, s in fitting)
-        assert _has_split(candidate, bar, SearchStats(), None, paths) == under
-        candidate.memory_ceiling = None
         for _, split in fitting[:3]:  # a stage's tail: at least the closing collective and its chunks' shares
             ranges = candidate.bounds_of(split)
             for s, own in enumerate(candidate.own):

@@ -162,11 +162,13 @@ class PathTables:
         bar: float,
         budget: int,
         firsts: Sequence[int] | None = None,
+        invalid: np.ndarray | None = None,
     ) -> np.ndarray | None:
         """The stops of virtual stages v, v + 1, ... (one row per way to split layers [start, L) among them) of the
         splits that give the virtual stages before v `ranges` and that no path takes to `bar`, best first (None: no
         paths yet, or the ways of some first virtual stages times the paths over `budget`); `firsts`: the only stops
-        virtual stage v may take (None: any).
+        virtual stage v may take (None: any); `invalid`: inf at the ranges no way may take, 0 elsewhere (None: the
+        tables' own, those over the memory limit).
 
         Every such way is enumerated, the paths' lengths summed along it: the max over paths of a whole split's lengths
         couples them, which `children_s` (each path's least over the layers left on its own) does not."""
@@ -178,7 +180,8 @@ class PathTables:
         starts = np.array([start])
         parents, chosen = [], []  # per level: each way's way at the level before, and its stop
         threshold = bar / (1 - ROUNDING)
-        invalid, terms = self.invalid.reshape(virtual, -1), self.terms.reshape(virtual, -1, TERMS)
+        invalid = (self.invalid if invalid is None else invalid).reshape(virtual, -1)
+        terms = self.terms.reshape(virtual, -1, TERMS)
         screen = self.kills.argsort(kind="stable")[-SCREEN:] if len(self.versions) > SCREEN else None
         for u in range(v, virtual):
             if u == v and firsts is not None:

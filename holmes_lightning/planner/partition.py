@@ -24,7 +24,8 @@ start), a partial split whose layers left have at most `MOST_WAYS` ways to go en
 path's length summed along each (`PathTables.completions`): only the ways that no path takes to `bar` are expanded,
 the paths coupled (the layers left cannot dodge each path on its own). Before that, the best of those ways are
 simulated (`PROBES`) and their critical paths added, which often leaves none. The children of a partial split that
-would each enumerate are enumerated together first, and those left no way are not visited (`_wayless`).
+would each enumerate are enumerated together first, and those left no way are not visited (`_wayless`). Under a
+memory ceiling (the least-memory pass) the enumerations leave out the ranges that alone go over it.
 
 A virtual stage's backward is costed at the checkpointing its stage needs for the chunks assigned so far
 (`Candidate.level`); later chunks can only raise that level, so the bounds hold, and a finished split with several
@@ -253,6 +254,7 @@ class _Search:
         self.monotone_memory = candidate.memory_ceiling is None or len(candidate.checkpointing) == 1
         # per virtual stage v, the plain (not enumerated) subtrees from it: how many, and their partial splits
         self.plain_subtrees, self.plain_nodes = [0] * (self.virtual + 1), [0] * (self.virtual + 1)
+        self.invalid: np.ndarray | None = None  # the ranges the enumerations leave out, once they run (`_enumerate`)
 
     def extend(
         self, path: _Path, v: int, bound: float, ways: np.ndarray | None = None, most_ways: int = MOST_WAYS
@@ -351,7 +353,7 @@ class _Search:
         if len(stops) < 2:
             return set()
         ranges = path.ranges(range(v))
-        ways = self.cuts.completions(ranges, v, path.start(v), self.bar, MOST_LENGTHS, firsts=stops)
+        ways = self._enumerate(ranges, v, path.start(v), firsts=stops)
         return set() if ways is None else set(stops) - set(ways[:, 0].tolist())
 
     def _probe(self, path: _Path, v: int, start: int) -> np.ndarray | None:
@@ -361,7 +363,7 @@ class _Search:
         ranges = path.ranges(range(v))
         placed = [b - a for a, b in ranges]
         for _ in range(PROBES):
-            ways = self.cuts.completions(ranges, v, start, self.bar, MOST_LENGTHS)
+            ways = self._enumerate(ranges, v, start)
             if ways is None or len(ways) == 0:
                 return ways
             stops = (start, *ways[0].tolist())
@@ -376,7 +378,31 @@ class _Search:
                 self._found(counts, step)
                 if self.first:
                     return ways
-        return self.cuts.completions(ranges, v, start, self.bar, MOST_LENGTHS)
+        return self._enumerate(ranges, v, start)
+
+    def _enumerate(
+        self, ranges: list[tuple[int, int]], v: int, start: int, firsts: list[int] | None = None
+    ) -> np.ndarray | None:
+        """`PathTables.completions` under the bar, without the ranges that alone go over the memory ceiling (the
+        tables leave out those over the limit, whatever the ceiling: under one, as in the least-memory pass, the
+        fastest ways are often just over it)."""
+        if self.invalid is None:
+            self.invalid = self.cuts.invalid
+            if self.candidate.memory_ceiling is not None:
+                self.invalid = self.invalid + self._over_ceiling()
+        return self.cuts.completions(ranges, v, start, self.bar, MOST_LENGTHS, firsts=firsts, invalid=self.invalid)
+
+    def _over_ceiling(self) -> np.ndarray:
+        """Per virtual stage, inf at the layer ranges [start, stop) that alone go over the memory ceiling, else 0."""
+        over = np.zeros((self.virtual, self.layers + 1, self.layers + 1))
+        for v, start in itertools.product(range(self.virtual), range(self.layers)):
+            for stop in range(start + 1, self.layers + 1):
+                if self.candidate.range_cost(v, start, stop) is None:
+                    if self.monotone_memory:  # and more so with more layers
+                        over[v, start, stop:] = np.inf
+                        break
+                    over[v, start, stop] = np.inf
+        return over
 
     def _bound_by_paths(self, path: _Path, v: int, start: int, children: list[_Child]) -> None:
         """Raise the children's bounds to the critical paths' (`cuts`) from `PATHS_AFTER` partial splits on. A search
@@ -575,3 +601,4 @@ class _Search:
             return
         self.candidate.lower_ceiling(counts, self.lowering)
         self.chunk_costs.clear()
+        self.invalid = None
