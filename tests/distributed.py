@@ -76,9 +76,9 @@ def _run_forked(target: str, kwargs: dict[str, Any], out: str, topology: Topolog
     port = free_port()
     ranks = []
     for rank in range(topology.world_size):
-        rank_vars = process_env(rank_env(topology, rank, "127.0.0.1", port), env)
+        environment = process_env(rank_env(topology, rank, "127.0.0.1", port), env)
         # not daemonic: a rank may start processes of its own (DataLoader workers)
-        ranks.append(_FORKS.Process(target=_forked_rank, args=(target, kwargs, out, rank_vars), daemon=False))
+        ranks.append(_FORKS.Process(target=_forked_rank, args=(target, kwargs, out, environment), daemon=False))
     try:
         for process in ranks:
             process.start()
@@ -104,12 +104,12 @@ def _run_forked(target: str, kwargs: dict[str, Any], out: str, topology: Topolog
                 print(f"--- rank {rank} ---\n{log.read_text()}", file=sys.stderr, end="", flush=True)
 
 
-def _forked_rank(target: str, kwargs: dict[str, Any], out: str, rank_vars: dict[str, str]) -> None:
-    """A forked rank: this rank's variables and output file, then the target (`_main`)."""
+def _forked_rank(target: str, kwargs: dict[str, Any], out: str, environment: dict[str, str]) -> None:
+    """A forked rank: its whole environment (`process_env`) and output file, then the target (`_main`)."""
     os.environ.clear()
-    os.environ.update(rank_vars)
-    torch.set_num_threads(int(rank_vars["OMP_NUM_THREADS"]))
-    log = os.open(Path(out, f"rank{rank_vars['RANK']}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.environ.update(environment)
+    torch.set_num_threads(int(environment["OMP_NUM_THREADS"]))
+    log = os.open(Path(out, f"rank{environment['RANK']}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     for stream in (1, 2):
         os.dup2(log, stream)
     os.close(log)
