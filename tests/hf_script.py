@@ -135,6 +135,6 @@ if __name__ == "__main__":
     if sys.argv[1] == "--cases":
         for case in sys.argv[3:]:
             family, schedule, padding, *pretrained = case.split(",")
-            main(family, schedule, padding, case_dir(sys.argv[2], *case.split(",")), *pretrained)
+            main(family, schedule, padding, case_dir(sys.argv[2], family, schedule, padding, *pretrained), *pretrained)
     else:
         main(*sys.argv[1:])
