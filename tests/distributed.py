@@ -11,6 +11,7 @@ same model in and out of HolmesStrategy.
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import json
 import multiprocessing
@@ -70,9 +71,10 @@ def run_ranks(
 
 
 def _run_forked(target: str, kwargs: dict[str, Any], out: str, topology: Topology, env: dict[str, str]) -> int:
-    """Each rank forked from the preloaded server with `launch`'s variables; once one fails the others get SIGTERM
-    and, after 5 s, SIGKILL. Returns 0, or a failed rank's code (one killed by signal N first, as 128 + N). Each
-    rank's output is printed here, after the job, to this process's stderr."""
+    """Each rank forked from the preloaded server with `launch`'s variables; once one fails (or the test's deadline
+    passes) the others get SIGUSR1 (each prints its threads' Python stacks into its log), then SIGTERM and, after
+    5 s, SIGKILL. Returns 0, or a failed rank's code (one killed by signal N first, as 128 + N). Each rank's output
+    is printed here, after the job, to this process's stderr."""
     port = free_port()
     ranks = []
     for rank in range(topology.world_size):
@@ -89,9 +91,13 @@ def _run_forked(target: str, kwargs: dict[str, Any], out: str, topology: Topolog
         code = min(failures, key=lambda c: c > 0, default=0)  # a rank killed by a signal likely failed the others
         return code if code >= 0 else 128 - code
     finally:
-        for process in ranks:
-            if process.exitcode is None:
-                process.terminate()
+        running = [process for process in ranks if process.exitcode is None]
+        for process in running:  # where each was stuck, into its log (`_forked_rank`), before it is stopped
+            os.kill(process.pid, signal.SIGUSR1)
+        if running:
+            time.sleep(1)
+        for process in running:
+            process.terminate()
         grace_ends = time.monotonic() + 5
         for process in ranks:
             process.join(timeout=max(0.0, grace_ends - time.monotonic()))
@@ -114,6 +120,7 @@ def _forked_rank(target: str, kwargs: dict[str, Any], out: str, environment: dic
         os.dup2(log, stream)
     os.close(log)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     _main(target, json.dumps(kwargs), out)
 
 
