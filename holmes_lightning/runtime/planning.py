@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from typing import Any, TypeVar, cast
@@ -97,18 +97,34 @@ class PlanRequest:
 
 @dataclass
 class SampleReading:
-    """What the DataLoader asked of the strategy while rank 0 read one sample of it, before there was a plan."""
+    """What the DataLoader asked of the strategy while rank 0 read it before there was a plan, its data split given
+    `replicas` provisional DP replicas."""
 
+    replicas: int = 1
     asked_batch_size: bool = False
+    asked_split: bool = False
+
+
+ReadingData = Callable[[int], AbstractContextManager[SampleReading]]  # entered while rank 0 reads a DataLoader
+
+
+@dataclass(frozen=True)
+class LoaderBatch:
+    """The batch size a DataLoader chose itself rather than asking for `replica_batch_size`: what each DP replica
+    reads per step, as under DDP; or, `divided`, the global batch, which it divides among the replicas that
+    `distributed_sampler_kwargs` gives it (its batch size fell from one replica to two)."""
+
+    size: int
+    divided: bool = False
 
 
 @dataclass(frozen=True)
 class DataSample:
-    """One sample's inputs to the first layer (None: not needed), and the DataLoader's own batch size: what each DP
-    replica reads per step when the loader chose it rather than asking for `replica_batch_size` (None: unknown)."""
+    """One sample's inputs to the first layer (None: not needed), and the DataLoader's own batch (None: it has none,
+    or it asks for `replica_batch_size`)."""
 
     inputs: Inputs | None
-    replica_batch: int | None = None
+    batch: LoaderBatch | None = None
 
 
 @dataclass(frozen=True)
@@ -147,14 +163,15 @@ def agree_on_plan(
     *,
     trainer: pl.Trainer,
     place: JobPlace,
-    reading_data: Callable[[], AbstractContextManager[SampleReading]],
+    reading_data: ReadingData,
     resuming: str | None = None,
 ) -> AgreedPlan:
     """Every rank calls it; all return rank 0's plan and calibration, or raise rank 0's error.
 
-    `reading_data`: entered while rank 0 reads one sample of the user's DataLoader (the strategy's data split must
-    answer then, before there is a plan). `resuming`: the checkpoint the run restores after setup (rank 0's counts):
-    its plan runs again, uncalibrated, where nothing that fixes a plan changed (`plan_reuse`).
+    `reading_data(replicas)`: entered while rank 0 reads the user's DataLoader (the strategy's data split must
+    answer then, before there is a plan, for that many provisional replicas). `resuming`: the checkpoint the run
+    restores after setup (rank 0's counts): its plan runs again, uncalibrated, where nothing that fixes a plan changed
+    (`plan_reuse`).
     """
     made_for = PlanBasis.of(place.topology, request.fixed_settings(place.backend))
     verdict = from_rank_zero(
@@ -174,7 +191,7 @@ def _agree_on_a_new_plan(
     *,
     trainer: pl.Trainer,
     place: JobPlace,
-    reading_data: Callable[[], AbstractContextManager[SampleReading]],
+    reading_data: ReadingData,
     made_for: PlanBasis,
 ) -> AgreedPlan:
     """Calibrate (every rank the collective part, rank 0 the rest) and plan on rank 0; every rank gets the result."""
@@ -230,7 +247,7 @@ def _judge_stored_plan(
     *,
     trainer: pl.Trainer,
     place: JobPlace,
-    reading_data: Callable[[], AbstractContextManager[SampleReading]],
+    reading_data: ReadingData,
     made_for: PlanBasis,
     resuming: str | None,
 ) -> StoredPlanVerdict | None:
@@ -250,7 +267,7 @@ def _judge_stored_plan(
     module = trainer.lightning_module
     replica_batch = None
     if request.batch is None and not missing_contract(module):  # the DataLoader's batch size fixed the plan's batch
-        replica_batch = _loader_batch_size(trainer, reading_data)
+        replica_batch = _replica_batch(trainer, reading_data, saved.dp)
     reasons = replan_reasons(
         saved,
         saved_for,
@@ -275,17 +292,35 @@ def _layer_count(module: pl.LightningModule, request: PlanRequest) -> int:
     return 1 if missing_contract(module) else len(module.pipeline_layers())
 
 
-def _loader_batch_size(
-    trainer: pl.Trainer, reading_data: Callable[[], AbstractContextManager[SampleReading]]
-) -> int | None:
-    """The batch size the running entry point's DataLoader chose itself (None: it asks the strategy for one)."""
+@contextmanager
+def _provisional_loader(
+    trainer: pl.Trainer, reading_data: ReadingData, replicas: int
+) -> Iterator[tuple[Any, SampleReading]]:
+    """The running entry point's DataLoader as built for `replicas` provisional DP replicas, and what it asked of the
+    strategy; the random state is left as it was, so rank 0 draws the same numbers afterwards as the other ranks."""
     states = _collect_rng_states()
     try:
-        with reading_data() as reading:
-            loader = _data_loader(trainer, type(trainer.lightning_module).__name__)
+        with reading_data(replicas) as reading:
+            yield _data_loader(trainer, type(trainer.lightning_module).__name__), reading
     finally:
         _set_rng_states(states)
-    return None if reading.asked_batch_size else _batch_size(loader)
+
+
+def _replica_batch(trainer: pl.Trainer, reading_data: ReadingData, dp: int) -> int | None:
+    """The samples per step the DataLoader chose itself for each of `dp` DP replicas (None: it asks for one)."""
+    with _provisional_loader(trainer, reading_data, dp) as (loader, reading):
+        return None if reading.asked_batch_size else _batch_size(loader)
+
+
+def _loader_batch(
+    trainer: pl.Trainer, reading_data: ReadingData, loader: Any, reading: SampleReading
+) -> LoaderBatch | None:
+    """The batch `loader`, built for one replica, chose itself; one that asked for the data split is built again for
+    two, to tell a batch per replica from a global batch it divides among them."""
+    size = None if reading.asked_batch_size else _batch_size(loader)
+    if size is None:
+        return None
+    return LoaderBatch(size, divided=reading.asked_split and _replica_batch(trainer, reading_data, 2) != size)
 
 
 def _measured_together(trainer: pl.Trainer, place: JobPlace) -> dict[str, float]:
@@ -301,7 +336,7 @@ def _plan_on_rank_zero(
     *,
     trainer: pl.Trainer,
     place: JobPlace,
-    reading_data: Callable[[], AbstractContextManager[SampleReading]],
+    reading_data: ReadingData,
     together: dict[str, float],
     group: dist.ProcessGroup | None,
     made_for: PlanBasis,
@@ -316,8 +351,8 @@ def _plan_on_rank_zero(
     else:
         if together and sample is not None:
             measured = _calibrate(module, sample, profile, place=place, together=together, group=group, request=request)
-        costs, replica_batch = measured.costs if measured else None, data.replica_batch
-        chosen = _make_plan(module, request, profile=profile, place=place, costs=costs, replica_batch=replica_batch)
+        costs = measured.costs if measured else None
+        chosen = _make_plan(module, request, profile=profile, place=place, costs=costs, loader=data.batch)
     description = format_plan(chosen, profile)
     if measured is not None:
         description += f"\n  calibrated: {measured.describe()}"
@@ -330,15 +365,11 @@ def _plan_on_rank_zero(
     return AgreedPlan(chosen, measured, description, made_for)
 
 
-def _model_sample(
-    trainer: pl.Trainer, request: PlanRequest, reading_data: Callable[[], AbstractContextManager[SampleReading]]
-) -> DataSample:
+def _model_sample(trainer: pl.Trainer, request: PlanRequest, reading_data: ReadingData) -> DataSample:
     """One sample's inputs to the first layer (samples first) to profile and time `pipeline_layers()` on:
     `example_input_array` (a tensor, a tuple of them, or a dict batch), else one sample of the running entry point's
     DataLoader; None without pipeline layers or with a given profile. Without a global batch, the DataLoader is read
-    for its batch size too.
-
-    The random state is left as it was, so rank 0 draws the same numbers afterwards as the ranks that did not.
+    for its batch size too (`_loader_batch`).
     """
     module = trainer.lightning_module
     if missing_contract(module):
@@ -351,16 +382,13 @@ def _model_sample(
     reads_inputs = example is None and not given
     if request.batch is not None and not reads_inputs:
         return DataSample(inputs)
-    states = _collect_rng_states()
-    try:
-        with reading_data() as reading:
-            loader = _data_loader(trainer, type(module).__name__)
-            if reads_inputs:  # else only the loader's batch size is wanted: no sample read
-                batch = first_sample(loader)
-                inputs = prediction_inputs(batch) if trainer.state.fn == TrainerFn.PREDICTING else split_batch(batch)[0]
-    finally:
-        _set_rng_states(states)
-    return DataSample(inputs, None if reading.asked_batch_size else _batch_size(loader))
+    with _provisional_loader(trainer, reading_data, 1) as (loader, reading):
+        if reads_inputs:  # else only the loader's batch size is wanted: no sample read
+            batch = first_sample(loader)
+            inputs = prediction_inputs(batch) if trainer.state.fn == TrainerFn.PREDICTING else split_batch(batch)[0]
+    if request.batch is not None:
+        return DataSample(inputs)
+    return DataSample(inputs, _loader_batch(trainer, reading_data, loader, reading))
 
 
 def _batch_size(loader: Any) -> int | None:
@@ -453,10 +481,10 @@ def _make_plan(
     profile: ModelProfile,
     place: JobPlace,
     costs: MachineCosts | None,
-    replica_batch: int | None,
+    loader: LoaderBatch | None,
 ) -> Plan:
     """The best plan for the request on this job's hardware, at the calibrated `costs` (None: the request's);
-    without the request's global batch, for the DataLoader's `replica_batch` per DP replica."""
+    without the request's global batch, for the DataLoader's own batch (`loader`)."""
     topology = place.topology
     options = replace(request.options, backend=place.backend)
     costs = costs or request.costs
@@ -470,15 +498,23 @@ def _make_plan(
         return replace(found, notes=(*found.notes, "no pipeline contract (pipeline_layers): FSDP over all ranks"))
     if request.batch is not None:
         return best_plan(topology, profile, request.batch, options=options, costs=costs, stats=_reporting())
-    if replica_batch is None:
+    if loader is None:
         raise ValueError(
             "HolmesStrategy(global_batch=None): the planner needs the samples per optimizer step, and the DataLoader "
             "does not fix them (it asks for strategy.replica_batch_size, or has no batch_size); pass "
             "global_batch=<sequences per step over all DP replicas>, or give the DataLoader a batch_size: each DP "
             "replica then reads one such batch per step"
         )
-    found = best_plan_per_replica(topology, profile, replica_batch, options=options, costs=costs, stats=_reporting())
-    note = f"global batch {found.global_batch}: the DataLoader's batch_size={replica_batch} x dp={found.dp}"
+    if loader.divided:
+        batch = BatchSettings(loader.size)
+        found = best_plan(topology, profile, batch, options=options, costs=costs, stats=_reporting())
+        note = (
+            f"global batch {loader.size}: the DataLoader's batch_size with one replica, which it divides among the "
+            f"replicas of distributed_sampler_kwargs ({found.replica_batch} each at dp={found.dp})"
+        )
+    else:
+        found = best_plan_per_replica(topology, profile, loader.size, options=options, costs=costs, stats=_reporting())
+        note = f"global batch {found.global_batch}: the DataLoader's batch_size={loader.size} x dp={found.dp}"
     return replace(found, notes=(*found.notes, note))
 
 

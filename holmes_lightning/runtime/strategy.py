@@ -210,7 +210,7 @@ class HolmesStrategy(ModelParallelStrategy):
         self._made_for: PlanBasis | None = None  # what the plan was made for: checkpoints store it with the plan
         self.pipeline: Pipeline | None = None
         self._prepared: nn.Module | None = None
-        self._reading: SampleReading | None = None  # while rank 0 reads one sample, before there is a plan
+        self._reading: SampleReading | None = None  # while rank 0 reads a DataLoader, before there is a plan
         self._gradients = HeldGradients(())
         self._ties: list[Tie] = []
         self._resumed_rng: dict[str, Any] | None = None
@@ -223,7 +223,7 @@ class HolmesStrategy(ModelParallelStrategy):
     def replica_batch_size(self) -> int:
         """Samples per training step that each DP replica's DataLoader must yield (global batch / dp).
 
-        1 while the strategy reads one sample of a DataLoader to profile the model, before there is a plan.
+        1 while rank 0 reads a DataLoader before there is a plan (a sample to profile the model on).
         """
         if self._reading is not None:
             self._reading.asked_batch_size = True
@@ -234,11 +234,13 @@ class HolmesStrategy(ModelParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Shard data over the DP dimension only: every stage of one DP column sees the same batch.
 
-        While the strategy reads one sample of a DataLoader to profile the model, before there is a plan: one
-        replica (a provisional split the DataLoader built then keeps only for that sample).
+        While rank 0 reads a DataLoader before there is a plan (a sample to profile the model on, its batch size):
+        a provisional split (one replica, or two to see whether the loader divides its batch among them), which a
+        DataLoader built then keeps only for that reading.
         """
         if self._reading is not None:
-            return {"num_replicas": 1, "rank": 0}
+            self._reading.asked_split = True
+            return {"num_replicas": self._reading.replicas, "rank": 0}
         if self.plan_mesh is None:
             raise RuntimeError(f"HolmesStrategy: the data split (DP degree) {NOT_YET}")
         if self.site is not None:  # DiLoCo: every site's replicas read shards of their own
@@ -246,9 +248,9 @@ class HolmesStrategy(ModelParallelStrategy):
         return {"num_replicas": self._require_plan().dp, "rank": self.plan_mesh.dp_index}
 
     @contextmanager
-    def _reading_one_sample(self) -> Iterator[SampleReading]:
-        """While rank 0 reads one sample to profile the model: a provisional data split of one replica."""
-        self._reading = SampleReading()
+    def _reading_data(self, replicas: int) -> Iterator[SampleReading]:
+        """While rank 0 reads a DataLoader before there is a plan: a provisional data split of `replicas` replicas."""
+        self._reading = SampleReading(replicas)
         try:
             yield self._reading
         finally:
@@ -373,7 +375,7 @@ class HolmesStrategy(ModelParallelStrategy):
                 request,
                 trainer=trainer,
                 place=place,
-                reading_data=self._reading_one_sample,
+                reading_data=self._reading_data,
                 resuming=resume.checkpoint_to_load(trainer),
             )
             self.plan, self.calibration, self._made_for = agreed.plan, agreed.calibration, agreed.made_for
