@@ -50,6 +50,21 @@ TINY_CONFIGS: dict[str, Callable[[], tf.PretrainedConfig]] = {
     ),
     "granite": lambda: tf.GraniteConfig(**LLAMA_LIKE, embedding_multiplier=3.0, logits_scaling=4.0),
     "cohere": lambda: tf.CohereConfig(**LLAMA_LIKE, logit_scale=0.25),
+    "olmo": lambda: tf.OlmoConfig(**LLAMA_LIKE, clip_qkv=0.5),  # a final norm without weights
+    "olmo2": lambda: tf.Olmo2Config(**LLAMA_LIKE),
+    "phi": lambda: tf.PhiConfig(**LLAMA_LIKE, partial_rotary_factor=0.5),
+    "starcoder2": lambda: tf.Starcoder2Config(**LLAMA_LIKE, sliding_window=3),
+    "mixtral": lambda: tf.MixtralConfig(**LLAMA_LIKE, num_local_experts=4),
+    "falcon": lambda: tf.FalconConfig(
+        hidden_size=32, num_hidden_layers=3, num_attention_heads=4, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2
+    ),
+    "gpt_neox": lambda: tf.GPTNeoXConfig(**LLAMA_LIKE, rotary_pct=0.5),
+    "gptj": lambda: tf.GPTJConfig(  # rotary sin/cos looked up by position id
+        n_embd=32, n_layer=3, n_head=4, rotary_dim=4, n_positions=32, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2
+    ),
+    "codegen": lambda: tf.CodeGenConfig(
+        n_embd=32, n_layer=3, n_head=4, rotary_dim=4, n_positions=32, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2
+    ),
 }
 
 

@@ -2,9 +2,11 @@
 pipeline layers: `[HFEmbedding, HFDecoderLayer x num_hidden_layers, HFHead]`.
 
 The parts: the decoder body (`get_decoder()`), its token embedding (`get_input_embeddings()`), its one ModuleList of
-decoder layers, its rotary module (a child holding an `inv_freq` buffer), learned position embeddings (other
-`nn.Embedding` children), embedding dropout (`nn.Dropout` children), the final norm (the one child left that holds
-tensors) and the LM head (`get_output_embeddings()`). Scalars the families' forwards apply come from the config.
+decoder layers, its rotary module (a child holding an `inv_freq` buffer, or one without parameters called with
+position ids: GPT-J's and CodeGen's sin/cos tables), learned position embeddings (other `nn.Embedding` children),
+embedding dropout (`nn.Dropout` children), the final norm (the one child left that holds tensors, or the one child
+left: OLMo's norm has no weights) and the LM head (`get_output_embeddings()`). Scalars the families' forwards apply
+come from the config.
 """
 
 from __future__ import annotations
@@ -48,10 +50,11 @@ def hf_pipeline_layers(hf_model: nn.Module) -> list[nn.Module]:
         raise UnrecognisedModelError(f"{name} has no LM head (get_output_embeddings() is None); {HAND_WRITTEN}")
     children = {n: c for n, c in decoder.named_children() if c is not tokens and c is not lm_head}
     blocks = _decoder_layers(name, children)
-    rotaries = _pop_all(children, lambda c: any(n.endswith("inv_freq") for n, _ in c.named_buffers()))
+    rotaries = _pop_all(children, _is_rotary)
     positions = _pop_all(children, lambda c: isinstance(c, nn.Embedding))
     dropouts = _pop_all(children, lambda c: isinstance(c, nn.Dropout))
     holders = {n: c for n, c in children.items() if next(chain(c.parameters(), c.buffers()), None) is not None}
+    holders = holders or children  # a norm without weights (OLMo's) where it is the one child left
     if len(holders) != 1 or any(len(found) > 1 for found in (rotaries, positions, dropouts)):
         found = ", ".join(f"{n} ({type(c).__name__})" for n, c in decoder.named_children())
         raise UnrecognisedModelError(
@@ -100,6 +103,14 @@ def _decoder_layers(name: str, children: dict[str, nn.Module]) -> nn.ModuleList:
         )
     (key,) = lists
     return children.pop(key)
+
+
+def _is_rotary(child: nn.Module) -> bool:
+    """A rotary module: it holds `inv_freq`, or it has no parameters and its forward takes position ids."""
+    if any(n.endswith("inv_freq") for n, _ in child.named_buffers()):
+        return True
+    takes_positions = "position_ids" in inspect.signature(child.forward).parameters
+    return takes_positions and not isinstance(child, nn.Embedding) and next(child.parameters(), None) is None
 
 
 def _pop_all(children: dict[str, nn.Module], matches: Callable[[nn.Module], bool]) -> dict[str, nn.Module]:
