@@ -45,6 +45,20 @@ CONFIGS = {  # no dropout: one process and the pipeline then compute alike
     "llama": lambda: tf.LlamaConfig(**LLAMA_LIKE, tie_word_embeddings=True),  # grouped-query attention, RoPE, tied
     "qwen2": lambda: tf.Qwen2Config(**LLAMA_LIKE, tie_word_embeddings=False),  # qkv bias, untied
     "gemma": lambda: tf.GemmaConfig(**LLAMA_LIKE, head_dim=8),  # scaled embedding, (1 + w) norms, tied
+    "gptj": lambda: tf.GPTJConfig(  # every layer looks its rotary sin/cos up by position id
+        n_embd=32,
+        n_layer=3,
+        n_head=4,
+        rotary_dim=4,
+        n_positions=32,
+        vocab_size=VOCAB,
+        resid_pdrop=0,
+        embd_pdrop=0,
+        attn_pdrop=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    ),
 }
 
 

@@ -1,4 +1,4 @@
-"""Hugging Face causal LMs of four families trained as pp=2 x dp=2 across two_cluster_mixed (tests/hf_script.py, started
+"""Hugging Face causal LMs of five families trained as pp=2 x dp=2 across two_cluster_mixed (tests/hf_script.py, started
 with `python script.py`; the cases one after another in one launch) match the HF model itself trained by plain
 Lightning in one process on the same dict batches: per-step losses (HF's token-weighted loss, rows padded on the right
 or the left, labels -100 among them), tied embedding copies bitwise equal after the steps, the directory `save_hf`
@@ -32,6 +32,7 @@ CASES = [
     ("qwen2", "GPipe", "left"),
     ("gemma", "1F1B", "right"),
     ("llama", "ZBVZeroBubble", "right"),  # V placement: the tied embedding and head both on the first stage
+    ("gptj", "1F1B", "left"),  # position ids cross the stages: torch's shape inference runs stage 1 on them
 ]
 PRETRAINED = ("llama", "GPipe", "right")  # the same launch, built from a saved directory: each rank loads its stage
 ENV_SECONDS = {"HOLMES_CALIBRATION_SECONDS": "0.05", "OMP_NUM_THREADS": "1"}

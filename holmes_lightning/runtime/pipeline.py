@@ -65,6 +65,15 @@ class HopStage(PipelineStage):
         super().__init__(chunk, index, num_stages, device, group=group)
         self.hop_groups = hop_groups
 
+    def _to_tensor(self, arg: object) -> torch.Tensor:
+        """Metadata inference runs this stage's forward on empty tensors of the shapes it received (torch 2.13): the
+        integer ones (token and position ids, masks) are zeroed, so a layer that looks a table up by them (GPT-J's
+        rotary sin/cos by position id) indexes it, not whatever the memory held."""
+        tensor = super()._to_tensor(arg)
+        if isinstance(arg, torch.Tensor) or tensor.is_floating_point() or tensor.is_complex():
+            return tensor
+        return tensor.zero_()
+
     def _on_hop_groups(self, ops: list[dist.P2POp]) -> list[dist.P2POp]:
         return [
             dist.P2POp(op.op, op.tensor, op.peer, self.hop_groups[op.peer], op.tag)
