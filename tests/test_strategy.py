@@ -20,7 +20,7 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import LossRecorder, TinyMLP, run_ranks, tiny_loader
+from distributed import LossRecorder, TinyMLP, run_ranks, tiny_dataset, tiny_loader
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
@@ -317,6 +317,48 @@ def test_without_a_global_batch_the_dataloader_sets_it_or_is_told_how() -> None:
     assert "global batch 8: the DataLoader's batch_size=8 x dp=1" in result["notes"]
     assert result["error"].startswith("HolmesStrategy(global_batch=None)")
     assert "give the DataLoader a batch_size" in result["error"]
+
+
+class RowsOfRank(torch.utils.data.IterableDataset):
+    """A stream of `tiny_dataset`'s rows, each rank taking every n-th: by the global rank, as under DDP, or by the
+    DP replica (`distributed_sampler_kwargs`)."""
+
+    def __init__(self, shard: dict[str, int]) -> None:
+        self.shard = shard
+
+    def __iter__(self) -> Any:
+        rows = tiny_dataset(256)
+        yield from (rows[i] for i in range(self.shard["rank"], len(rows), self.shard["num_replicas"]))
+
+
+def rows_sharded_by(shard_by: str) -> str:
+    """Rank side: fit TinyMLP as pp=2 x dp=2 on a stream sharded by `shard_by` ("global rank" or "DP replica")."""
+
+    class Streamed(TinyMLP):
+        def train_dataloader(self) -> Any:
+            if shard_by == "DP replica":
+                shard = self.trainer.strategy.distributed_sampler_kwargs
+            else:
+                shard = {"num_replicas": dist.get_world_size(), "rank": dist.get_rank()}
+            return torch.utils.data.DataLoader(RowsOfRank(shard), batch_size=GLOBAL_BATCH // 2)
+
+    strategy = HolmesStrategy(cluster="two_cluster_mixed", pp=2, global_batch=GLOBAL_BATCH, timeout=60)
+    try:
+        _fit(Streamed(), strategy, 2, None)
+    except ValueError as refused:
+        return str(refused)
+    return "trained"
+
+
+@pytest.mark.slow
+def test_the_stages_of_a_replica_reading_different_batches_stop_at_the_first_one() -> None:
+    """A stream sharded by the global rank, as DDP would: stage 0 of a pipeline reads other rows than the last stage,
+    whose targets would then belong to other inputs. Every rank stops at the first batch, saying how to shard; the
+    same stream sharded by the DP replica trains."""
+    refused = run_ranks("test_strategy:rows_sharded_by", shard_by="global rank", timeout_s=180)
+    assert all(message.startswith("the ranks of one pipeline read different training batches") for message in refused)
+    assert "distributed_sampler_kwargs" in refused[0] and "not the global rank" in refused[0]
+    assert run_ranks("test_strategy:rows_sharded_by", shard_by="DP replica", timeout_s=180) == ["trained"] * 4
 
 
 def one_rank_compiled_layer_zero_bubble() -> str:

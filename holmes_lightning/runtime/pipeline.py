@@ -147,6 +147,7 @@ class Pipeline:
         self.train_schedule = self._schedule(with_loss=True)
         self._forward_schedules: dict[tuple[tuple[tuple[int, ...], ...], bool], _Schedule] = {}
         self._weight_scale: torch.Tensor | None = None  # micro-batches x replicas / the global batch's weight
+        self._compared: set[str] = set()  # the kinds of batch whose first one the pipeline's ranks compared
 
     @property
     def is_first(self) -> bool:
@@ -200,6 +201,7 @@ class Pipeline:
                 f"{self.plan.microbatches} micro-batches x {self.plan.microbatch_size} = {self.plan.replica_batch}; "
                 f"give the train DataLoader batch_size=strategy.replica_batch_size (global batch / dp), drop_last=True"
             )
+        self._compare_first("training", (*inputs, targets))
         for module in self.fsdp_modules:  # every stage gathers now, not when its first micro-batch arrives
             module.unshard(async_op=True)  # FSDP's pre-forward waits for it
         self._weigh(targets)
@@ -210,6 +212,7 @@ class Pipeline:
 
     def eval_step(self, inputs: Inputs, targets: torch.Tensor, *, keep_outputs: bool = False) -> StepResult:
         """Forward only, in the plan's micro-batches (any batch size they divide)."""
+        self._compare_first("evaluation", (*inputs, targets))
         self._weigh(targets)
         local, outputs = self._forward(inputs, targets, keep_outputs=keep_outputs, purpose="an evaluation")
         return StepResult(shared_loss(local, self.plan.dp, self.device), outputs)
@@ -217,6 +220,12 @@ class Pipeline:
     def predict_step(self, inputs: Inputs) -> torch.Tensor | None:
         """Forward only, no loss: the last stage's outputs (None on the other stages)."""
         return self._forward(inputs, None, keep_outputs=True, purpose="a prediction")[1]
+
+    def _compare_first(self, kind: str, batch: Sequence[torch.Tensor]) -> None:
+        """On the first batch of a kind, that the pipeline's ranks all read it (`same_batch`)."""
+        if kind not in self._compared and self.plan.pp > 1:
+            same_batch(batch, self.pp_group, self.device, kind)
+        self._compared.add(kind)
 
     def _forward(
         self, inputs: Inputs, targets: torch.Tensor | None, *, keep_outputs: bool, purpose: str
@@ -331,6 +340,35 @@ def gather_replica_outputs(plan: Plan, outputs: Sequence[torch.Tensor | None]) -
     for index, rows in enumerate(replicas):
         merged[index :: len(replicas)] = rows
     return merged
+
+
+def same_batch(batch: Sequence[torch.Tensor], pp_group: dist.ProcessGroup, device: torch.device, kind: str) -> None:
+    """Raise on every rank if the ranks of some pipeline (the stages of one DP replica) read different batches: its
+    first stage would compute on one and its last stage take another's targets. Each rank's digest of its batch is
+    gathered over its pipeline, then every rank learns whether any pipeline differs (a collective over all ranks)."""
+    digest = torch.cat([_digest(tensor.to(device)) for tensor in batch])
+    gathered = [torch.empty_like(digest) for _ in range(dist.get_world_size(pp_group))]
+    dist.all_gather(gathered, digest, group=pp_group)
+    ranks = dist.get_process_group_ranks(pp_group)
+    differ = [rank for rank, other in zip(ranks, gathered, strict=True) if not torch.equal(other, gathered[0])]
+    flag = torch.tensor([float(bool(differ))], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        where = f"ranks {differ} read other batches than rank {ranks[0]}, their first stage" if differ else "elsewhere"
+        raise ValueError(
+            f"the ranks of one pipeline read different {kind} batches ({where}): every stage of a DP replica must "
+            f"read the same samples. Split data by the DP replica, `DistributedSampler(dataset, "
+            f"**trainer.strategy.distributed_sampler_kwargs)` (Lightning adds one to a map-style dataset by itself); "
+            f"an IterableDataset takes its shard from the same num_replicas and rank, not the global rank"
+        )
+
+
+def _digest(tensor: torch.Tensor) -> torch.Tensor:
+    """Numbers that differ between two different batches in practice: the element count, sum and a weighted sum."""
+    flat = tensor.detach().reshape(-1).to(torch.float64)
+    weights = torch.arange(flat.numel(), device=flat.device, dtype=torch.float64) % 1009 + 1
+    sums = torch.stack([torch.tensor(float(flat.numel()), device=flat.device), flat.sum(), (flat * weights).sum()])
+    return torch.nan_to_num(sums)
 
 
 def shared_loss(local: torch.Tensor | None, dp: int, device: torch.device) -> torch.Tensor:
