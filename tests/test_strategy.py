@@ -6,6 +6,7 @@ the address-bound gloo backend (as the lab binds them to each node's addresses).
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -317,6 +318,44 @@ def test_without_a_global_batch_the_dataloader_sets_it_or_is_told_how() -> None:
     assert "global batch 8: the DataLoader's batch_size=8 x dp=1" in result["notes"]
     assert result["error"].startswith("HolmesStrategy(global_batch=None)")
     assert "give the DataLoader a batch_size" in result["error"]
+
+
+class Float32LossMLP(TinyMLP):
+    """TinyMLP whose loss upcasts the logits, as HF's does: under bf16-true a float32 loss on the last stage only."""
+
+    def pipeline_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(outputs.float(), targets)
+
+
+def bf16_true_pipeline() -> dict[str, Any]:
+    """Rank side: precision="bf16-true" (bf16 the default dtype) on pp=2 x dp=2, clipped; the losses and norms."""
+    clipped, recorder = ClippedNorms(), LossRecorder()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        num_nodes=4,
+        strategy=HolmesStrategy(cluster="two_cluster_mixed", pp=2, global_batch=GLOBAL_BATCH, timeout=60),
+        precision="bf16-true",
+        max_steps=3,
+        gradient_clip_val=0.5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[clipped, recorder],
+    )
+    trainer.fit(Float32LossMLP(), tiny_loader(3 * GLOBAL_BATCH, GLOBAL_BATCH // 2))
+    return {"losses": recorder.losses, "norms": clipped.norms}
+
+
+@pytest.mark.slow
+def test_bf16_true_pipelines_agree_on_the_loss_and_the_clipping_norm() -> None:
+    """The step's loss and the clipping norm are all-reduced over stages whose tensors' dtypes differ (a float32
+    loss on the last stage, bf16 zeros elsewhere): each in float32 on every rank, so the collectives match."""
+    ranks = run_ranks("test_strategy:bf16_true_pipeline", timeout_s=180)
+    assert all(rank["losses"] == ranks[0]["losses"] for rank in ranks) and len(ranks[0]["losses"]) == 3
+    assert all(math.isfinite(loss) for loss in ranks[0]["losses"])
+    assert all(0 < norm <= 0.5 * (1 + 1e-2) for rank in ranks for norm in rank["norms"])
 
 
 class RowsOfRank(torch.utils.data.IterableDataset):

@@ -351,7 +351,7 @@ def same_batch(batch: Sequence[torch.Tensor], pp_group: dist.ProcessGroup, devic
     dist.all_gather(gathered, digest, group=pp_group)
     ranks = dist.get_process_group_ranks(pp_group)
     differ = [rank for rank, other in zip(ranks, gathered, strict=True) if not torch.equal(other, gathered[0])]
-    flag = torch.tensor([float(bool(differ))], device=device)
+    flag = torch.tensor([float(bool(differ))], device=device, dtype=torch.float32)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item():
         where = f"ranks {differ} read other batches than rank {ranks[0]}, their first stage" if differ else "elsewhere"
@@ -367,12 +367,14 @@ def _digest(tensor: torch.Tensor) -> torch.Tensor:
     """Numbers that differ between two different batches in practice: the element count, sum and a weighted sum."""
     flat = tensor.detach().reshape(-1).to(torch.float64)
     weights = torch.arange(flat.numel(), device=flat.device, dtype=torch.float64) % 1009 + 1
-    sums = torch.stack([torch.tensor(float(flat.numel()), device=flat.device), flat.sum(), (flat * weights).sum()])
+    count = torch.tensor(float(flat.numel()), device=flat.device, dtype=torch.float64)
+    sums = torch.stack([count, flat.sum(), (flat * weights).sum()])
     return torch.nan_to_num(sums)
 
 
 def shared_loss(local: torch.Tensor | None, dp: int, device: torch.device) -> torch.Tensor:
-    """The mean loss over all DP replicas, on every rank: last-stage ranks contribute, the others add zero."""
-    total = local / dp if local is not None else torch.zeros((), device=device)
+    """The mean loss over all DP replicas, on every rank: last-stage ranks contribute, the others add zero (in
+    float32 on every rank, whatever the default dtype: `precision="bf16-true"` makes it bf16 off the last stage)."""
+    total = local.float() / dp if local is not None else torch.zeros((), device=device, dtype=torch.float32)
     dist.all_reduce(total)
     return total

@@ -126,8 +126,8 @@ def clip_grad_norm_(
     norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
-    if pp_group is not None and pp_group.size() > 1:
-        squared = norm.pow(2)
+    if pp_group is not None and pp_group.size() > 1:  # in float32 on every stage, whatever its gradients' dtype
+        squared = norm.float().pow(2)
         dist.all_reduce(squared, group=pp_group)
         norm = squared.sqrt()
     torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
