@@ -24,6 +24,7 @@ import torch.distributed as dist
 from distributed import LossRecorder, TinyMLP, run_ranks, tiny_dataset, tiny_loader
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
 
 from holmes_lightning import HolmesStrategy
 from holmes_lightning.cli.validate import collective_backend
@@ -34,6 +35,7 @@ from holmes_lightning.runtime.preemption import HolmesCheckpoint
 from holmes_lightning.topology import LinkKind, NICKind
 
 SEED, GLOBAL_BATCH, STEPS_PER_EPOCH = 3, 16, 3
+QUICK = {"HOLMES_CALIBRATION_SECONDS": "0.05"}  # calibration: time each layer briefly
 ONE_RANK = {"name": "one_rank", "clusters": [{"name": "local", "nodes": 1, "nic": {"kind": "ethernet"}}]}
 
 
@@ -318,6 +320,53 @@ def test_without_a_global_batch_the_dataloader_sets_it_or_is_told_how() -> None:
     assert "global batch 8: the DataLoader's batch_size=8 x dp=1" in result["notes"]
     assert result["error"].startswith("HolmesStrategy(global_batch=None)")
     assert "give the DataLoader a batch_size" in result["error"]
+
+
+class DividedBatchMLP(TinyMLP):
+    """TinyMLP reading a DataLoader that divides GLOBAL_BATCH among the replicas `distributed_sampler_kwargs` gives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.example_input_array = None
+
+    def train_dataloader(self) -> Any:
+        split, data = self.trainer.strategy.distributed_sampler_kwargs, tiny_dataset(STEPS_PER_EPOCH * GLOBAL_BATCH)
+        sampler = DistributedSampler(data, shuffle=True, seed=SEED, **split)
+        return DataLoader(data, batch_size=GLOBAL_BATCH // split["num_replicas"], sampler=sampler, drop_last=True)
+
+
+def divided_batch(saved: str, resume: bool) -> dict[str, Any]:
+    """Rank side: DividedBatchMLP as pp=2 with no global batch given, 2 steps saved to `saved`, or 1 more resumed."""
+    L.seed_everything(SEED)
+    strategy = HolmesStrategy(cluster="two_cluster_mixed", pp=2, timeout=60)
+    if resume:
+        return {
+            "losses": _fit(DividedBatchMLP(), strategy, 3, None, ckpt_path=saved),
+            "new_plan": bool(strategy.calibration),
+        }
+    saver = ModelCheckpoint(dirpath=Path(saved).parent, filename=Path(saved).stem, every_n_train_steps=2)
+    losses = _fit(DividedBatchMLP(), strategy, 2, None, saver=saver)
+    return {"losses": losses, "global_batch": strategy.plan.global_batch, "notes": list(strategy.plan.notes)}
+
+
+@pytest.mark.slow
+def test_a_dataloader_dividing_a_global_batch_among_its_replicas_trains_on_it_and_resumes_on_its_plan(tmp_path):
+    """No global batch given: the DataLoader's batch_size is GLOBAL_BATCH // num_replicas, a size that depends on the
+    DP degree the planner has yet to choose. The job trains one process's steps on that global batch, and a resume
+    from its checkpoint runs the stored plan again (the loader, split as that plan splits it, yields its batch)."""
+    saved = str(tmp_path / "divided.ckpt")
+    first = run_ranks("test_strategy:divided_batch", saved=saved, resume=False, timeout_s=180, env=QUICK)
+    assert first[0]["global_batch"] == GLOBAL_BATCH
+    assert any(
+        note.startswith(f"global batch {GLOBAL_BATCH}: the DataLoader's batch_size with one replica")
+        for note in first[0]["notes"]
+    )
+    L.seed_everything(SEED)
+    loader = tiny_loader(STEPS_PER_EPOCH * GLOBAL_BATCH, GLOBAL_BATCH, single_process_seed=SEED)
+    reference = _fit(TinyMLP(), "auto", 2, loader)
+    assert all(rank["losses"] == pytest.approx(reference, rel=1e-5) for rank in first)
+    again = run_ranks("test_strategy:divided_batch", saved=saved, resume=True, timeout_s=180, env=QUICK)
+    assert all(len(rank["losses"]) == 1 and not rank["new_plan"] for rank in again)
 
 
 class Float32LossMLP(TinyMLP):

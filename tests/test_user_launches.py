@@ -72,31 +72,6 @@ def test_user_script_matches_one_process(launcher, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_a_dataloader_dividing_a_global_batch_among_its_replicas_trains_on_that_batch_and_resumes_on_its_plan(
-    tmp_path,
-):
-    """No global batch given, no example_input_array: the DataLoader's batch_size is GLOBAL_BATCH // num_replicas,
-    a size that depends on the DP degree the planner has yet to choose. The job trains one process's steps on the
-    global batch, and a resume from its checkpoint runs the stored plan again (the loader, split as that plan splits
-    it, yields the plan's batch per replica)."""
-    command = [*LAUNCHERS["lightning"], str(tmp_path), "divided"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path, check=False)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-5000:]
-    assert f"note: global batch {user_script.GLOBAL_BATCH}: the DataLoader's batch_size with one replica" in output
-    for rank in range(4):
-        losses = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert losses == pytest.approx(reference_losses(), rel=1e-5, abs=1e-6)
-    again = subprocess.run(
-        [*command, str(tmp_path / "last.ckpt")], capture_output=True, text=True, timeout=600, cwd=tmp_path, check=False
-    )
-    output = again.stdout + again.stderr
-    assert again.returncode == 0, output[-5000:]
-    assert "holmes: running the plan stored with checkpoint" in output, output[-5000:]
-    assert len(json.loads((tmp_path / "rank0.json").read_text())) == 2
-
-
-@pytest.mark.slow
 def test_strategy_holmes_takes_the_batch_size_of_a_ddp_style_dataloader(tmp_path):
     """`Trainer(strategy="holmes")` with no global batch and no example_input_array, under torchrun: each DP replica
     reads one batch of the DataLoader's size per step, so the step is one process's on that batch x the planned dp."""

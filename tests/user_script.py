@@ -9,10 +9,6 @@ step to OUT/rank<N>.json.
 no `example_input_array`, and a DataLoader of its own batch size split by `distributed_sampler_kwargs`, as a
 DDP script writes it; OUT/rank<N>.json then also holds the plan's DP degree.
 
-`python user_script.py OUT divided [RESUME]`: the same, under Lightning's launcher on `two_cluster_mixed`, with a
-DataLoader that divides a global batch of GLOBAL_BATCH among the replicas `distributed_sampler_kwargs` gives it; the
-job saves OUT/last.ckpt at the end, and with RESUME (a checkpoint) resumes from it and trains 2 steps more.
-
 `python user_script.py OUT diloco` (under `holmes-launch cluster=two_sites_1gbps sites=auto`): the same DDP-style
 module, each site one replica of FSDP2 over its 2 ranks, DiLoCo every 3 steps with bf16 pseudo-gradients; each site
 saves OUT/site-<NAME>/last.ckpt at the end (an outer step) and its ranks' losses beside it.
@@ -87,15 +83,6 @@ class DDPStyleClassifier(GatedClassifier):
         return DataLoader(data, batch_size=LOADER_BATCH, sampler=sampler)
 
 
-class DividedBatchClassifier(DDPStyleClassifier):
-    """The same model with a DataLoader that divides a global batch among the replicas it is given."""
-
-    def train_dataloader(self) -> DataLoader:
-        data, split = dataset(), self.trainer.strategy.distributed_sampler_kwargs
-        sampler = DistributedSampler(data, shuffle=True, seed=SEED, **split)
-        return DataLoader(data, batch_size=GLOBAL_BATCH // split["num_replicas"], sampler=sampler)
-
-
 class Gated(nn.Module):
     def __init__(self, width_in: int, width_out: int) -> None:
         super().__init__()
@@ -113,15 +100,12 @@ class StepLosses(L.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def main(out: str, mode: str | None = None, resume: str | None = None) -> None:
+def main(out: str, mode: str | None = None) -> None:
     L.seed_everything(SEED)
-    models = {None: GatedClassifier, "divided": DividedBatchClassifier}
-    model, losses = models.get(mode, DDPStyleClassifier)(), StepLosses()
+    model, losses = (GatedClassifier() if mode is None else DDPStyleClassifier()), StepLosses()
     strategy: str | HolmesStrategy = "holmes"
     if mode is None:
         strategy = HolmesStrategy(cluster="two_cluster_mixed", global_batch=GLOBAL_BATCH, pp=2)
-    elif mode == "divided":
-        strategy = HolmesStrategy(cluster="two_cluster_mixed")
     elif mode == "diloco":
         diloco = DiLoCoSettings(sync_every=3, outer_bits=16)
         strategy = HolmesStrategy(
@@ -131,23 +115,21 @@ def main(out: str, mode: str | None = None, resume: str | None = None) -> None:
         accelerator="cpu",
         devices=2 if mode == "diloco" else 4,
         strategy=strategy,
-        max_steps=STEPS + (2 if resume else 0),
+        max_steps=STEPS,
         callbacks=[losses],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(model, ckpt_path=resume)
+    trainer.fit(model)
     name = f"rank{trainer.global_rank}"
     if mode == "diloco":  # a folder per site: each site is a job of its own, and a job owns its checkpoints' folder
         out, name = str(Path(out, f"site-{trainer.strategy.site.label}")), f"site-{trainer.strategy.site.label}-{name}"
-        trainer.save_checkpoint(Path(out, "last.ckpt"))
-    if mode == "divided" and not resume:
         trainer.save_checkpoint(Path(out, "last.ckpt"))
     written = {"losses": losses.losses, "dp": trainer.strategy.plan.dp} if mode == "registered" else losses.losses
     Path(out, f"{name}.json").write_text(json.dumps(written))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], *sys.argv[2:4])
+    main(sys.argv[1], *sys.argv[2:3])
