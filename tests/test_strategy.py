@@ -369,6 +369,29 @@ def test_a_dataloader_dividing_a_global_batch_among_its_replicas_trains_on_it_an
     assert all(len(rank["losses"]) == 1 and not rank["new_plan"] for rank in again)
 
 
+def parameterless_stage() -> str:
+    """Rank side: TinyMLP behind a parameterless first layer, which partition=[1, 6] leaves alone on stage 0."""
+    model = TinyMLP()
+    model.layers.insert(0, nn.Tanh())
+    strategy = HolmesStrategy(
+        cluster="two_cluster_mixed", pp=2, partition=[1, 6], global_batch=GLOBAL_BATCH, timeout=60
+    )
+    try:
+        _fit(model, strategy, 1, tiny_loader(GLOBAL_BATCH, GLOBAL_BATCH // 2))
+    except ValueError as refused:
+        return str(refused)
+    return "trained"
+
+
+@pytest.mark.slow
+def test_a_stage_without_parameters_is_refused_before_its_optimizer() -> None:
+    """Its ranks would build the module's optimizer over no parameters, which torch refuses with no word of why."""
+    refused = run_ranks("test_strategy:parameterless_stage", timeout_s=180, env=QUICK)
+    assert all(message == refused[0] for message in refused)
+    assert refused[0].startswith("the plan's stage 0 (ranks [0, 1]) holds only pipeline layers without parameters")
+    assert "(0:Tanh)" in refused[0] and "partition=" in refused[0]
+
+
 class Float32LossMLP(TinyMLP):
     """TinyMLP whose loss upcasts the logits, as HF's does: under bf16-true a float32 loss on the last stage only."""
 

@@ -353,6 +353,7 @@ def _plan_on_rank_zero(
             measured = _calibrate(module, sample, profile, place=place, together=together, group=group, request=request)
         costs = measured.costs if measured else None
         chosen = _make_plan(module, request, profile=profile, place=place, costs=costs, loader=data.batch)
+    _check_stages_hold_parameters(chosen, profile)
     description = format_plan(chosen, profile)
     if measured is not None:
         description += f"\n  calibrated: {measured.describe()}"
@@ -363,6 +364,20 @@ def _plan_on_rank_zero(
                 f"{configured:g} the cluster config gives its device: planned with the measurement; set device_tflops"
             )
     return AgreedPlan(chosen, measured, description, made_for)
+
+
+def _check_stages_hold_parameters(plan: Plan, profile: ModelProfile) -> None:
+    """Every stage's ranks build the module's optimizers over the parameters they hold, and torch's optimizers refuse
+    an empty list: a stage of parameterless layers only (activations, reshapes) is refused here, on rank 0."""
+    for stage in plan.stages:
+        if not any(profile.layers[layer].param_bytes for layer in stage.layers):
+            names = ", ".join(profile.layers[layer].name for layer in stage.layers)
+            raise ValueError(
+                f"the plan's stage {stage.index} (ranks {list(stage.ranks)}) holds only pipeline layers without "
+                f"parameters ({names}): its ranks would build an optimizer over nothing, which torch refuses; give "
+                f"those layers to a neighbouring stage (HolmesStrategy(partition=[...]), strategy.partition in "
+                f"configs) or plan fewer stages (pp)"
+            )
 
 
 def _model_sample(trainer: pl.Trainer, request: PlanRequest, reading_data: ReadingData) -> DataSample:
