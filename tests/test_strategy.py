@@ -28,11 +28,11 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from holmes_lightning import HolmesStrategy
 from holmes_lightning.cli.validate import collective_backend
-from holmes_lightning.planner import Plan, PlanOptions, Sharding, StagePlan, StepPrediction
+from holmes_lightning.planner import Plan, PlanError, PlanOptions, Sharding, StagePlan, StepPrediction
 from holmes_lightning.runtime.contract import ContractError
 from holmes_lightning.runtime.planning import from_rank_zero, step_collectives
 from holmes_lightning.runtime.preemption import HolmesCheckpoint
-from holmes_lightning.topology import LinkKind, NICKind
+from holmes_lightning.topology import LinkKind, NICKind, Topology
 
 SEED, GLOBAL_BATCH, STEPS_PER_EPOCH = 3, 16, 3
 QUICK = {"HOLMES_CALIBRATION_SECONDS": "0.05"}  # calibration: time each layer briefly
@@ -525,6 +525,28 @@ def test_batches_are_inputs_and_targets_or_dicts_of_input_ids_and_labels() -> No
 def test_bad_arguments_fail_at_construction(arguments: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         HolmesStrategy(cluster="two_cluster_mixed", **arguments)
+
+
+@pytest.mark.parametrize(
+    ("degrees", "message"),
+    [
+        ({"pp": 3}, r"pp=3 does not divide the 4 ranks of 'two_cluster_mixed'"),
+        ({"pp": 2, "cluster": "three_cluster"}, r"pp=2 \(dp=4\): every stage must hold one NIC kind .* dp in \[1, 2\]"),
+        ({"pp": 2, "dp": 1}, r"pp=2 x dp=1 = 2 ranks, but 'two_cluster_mixed' has 4"),
+    ],
+)
+def test_degrees_no_layout_takes_fail_when_the_trainer_is_built(degrees: dict[str, int], message: str) -> None:
+    """Before Lightning's launcher starts any process (the Trainer is built here, in this one)."""
+    settings = {"cluster": "two_cluster_mixed", **degrees}
+    devices = Topology.from_config(settings["cluster"]).world_size
+    with pytest.raises(PlanError, match=message):
+        L.Trainer(accelerator="cpu", devices=devices, strategy=HolmesStrategy(**settings))
+
+
+def test_one_stage_is_left_to_the_model_it_runs() -> None:
+    """pp=1 on two clusters: a module without the pipeline contract runs FSDP over every rank, so the Trainer builds."""
+    trainer = L.Trainer(accelerator="cpu", devices=4, strategy=HolmesStrategy(cluster="two_cluster_mixed", pp=1))
+    assert trainer.strategy.cluster_environment.configured.world_size == 4
 
 
 def test_plan_options_and_shorthands_reach_the_planner_as_one_object() -> None:

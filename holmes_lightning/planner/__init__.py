@@ -1,7 +1,14 @@
 """The Holmes planner: pure Python over plain data (a Topology, a ModelProfile, what the user asks for and what the
 machine costs in; a Plan out)."""
 
-from holmes_lightning.planner.choice import PlanError, best_plan, best_plan_per_replica, compare_plans, on_shared_cores
+from holmes_lightning.planner.choice import (
+    PlanError,
+    best_plan,
+    best_plan_per_replica,
+    check_degrees,
+    compare_plans,
+    on_shared_cores,
+)
 from holmes_lightning.planner.cost import CostModel, MachineCosts
 from holmes_lightning.planner.options import (
     Backend,
@@ -39,6 +46,7 @@ __all__ = [
     "StepPrediction",
     "Timeline",
     "best_plan",
+    "check_degrees",
     "best_plan_per_replica",
     "compare_plans",
     "on_shared_cores",

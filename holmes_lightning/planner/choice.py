@@ -500,25 +500,35 @@ def _layouts(topology: Topology, options: PlanOptions, profile: ModelProfile, pr
 
     if options.layout is LayoutKind.flat_fsdp:
         return [flat_layout(topology)]
-    pp, dp = options.pp, options.dp
+    wanted = check_degrees(topology, options)
+    if options.layout is LayoutKind.nic_unaware:
+        sizes = [wanted] if wanted else [d for d in range(1, world + 1) if world % d == 0]
+        return [megatron_layout(topology, world // d, d) for d in sizes if deep_enough(d)]
+    orders = group_orders(topology)
+    sizes = [wanted] if wanted else dp_degrees(topology)
+    return [holmes_layout(order, d) for d in sizes if deep_enough(d) for order in orders]
+
+
+def check_degrees(topology: Topology, options: PlanOptions) -> int | None:
+    """The DP degree that the requested pp or dp fixes on `topology` (None: not fixed), or a PlanError naming the
+    degree no layout of it takes. It needs no model, so a launch checks it before any process starts."""
+    if options.layout is LayoutKind.flat_fsdp:
+        return None
+    world, pp, dp = topology.world_size, options.pp, options.dp
     if pp is not None and dp is not None and pp * dp != world:
         raise PlanError(f"pp={pp} x dp={dp} = {pp * dp} ranks, but {topology.name!r} has {world}")
     if pp is not None and world % pp:
         raise PlanError(f"pp={pp} does not divide the {world} ranks of {topology.name!r}; use a divisor")
     wanted = dp if dp is not None else (world // pp if pp is not None else None)
-    if options.layout is LayoutKind.nic_unaware:
-        sizes = [wanted] if wanted else [d for d in range(1, world + 1) if world % d == 0]
-        return [megatron_layout(topology, world // d, d) for d in sizes if deep_enough(d)]
     valid = dp_degrees(topology)
-    if wanted is not None and wanted not in valid:
+    if options.layout is LayoutKind.holmes and wanted is not None and wanted not in valid:
         groups = ", ".join(f"{g.cluster}/{g.nic.value}: {len(g.ranks)}" for g in topology.nic_groups())
         setting = f"dp={wanted}" if dp is not None else f"pp={pp} (dp={wanted})"
         raise PlanError(
             f"{setting}: every stage must hold one NIC kind and the same DP size, but the NIC groups ({groups} ranks) "
             f"do not split into stages of {wanted}; use dp in {valid} (pp in {[world // d for d in valid]})"
         )
-    orders = group_orders(topology)
-    return [holmes_layout(order, d) for d in ([wanted] if wanted else valid) if deep_enough(d) for order in orders]
+    return wanted
 
 
 def _too_deep(pp: int, chunks: int, profile: ModelProfile) -> str | None:

@@ -116,6 +116,11 @@ class NICGroupingEnvironment(ClusterEnvironment):
         self.emulated = False
 
     @property
+    def configured(self) -> Topology | None:
+        """The config's Topology where it pins every NIC kind (None: they are detected once the processes start)."""
+        return self._topology
+
+    @property
     def topology(self) -> Topology:
         if self._topology is None:
             raise RuntimeError("NIC kinds are detected at start: call exchange() after the process group exists")

@@ -58,6 +58,7 @@ from holmes_lightning.planner import (
     Schedule,
     SettingError,
     Sharding,
+    check_degrees,
 )
 from holmes_lightning.planner.options import choices
 from holmes_lightning.planner.sites import CrossSite, DiLoCoSettings, diloco_options, grouping_label
@@ -301,7 +302,18 @@ class HolmesStrategy(ModelParallelStrategy):
             )
         spawned_here = not self.cluster_environment.creates_processes_externally
         self.cluster_environment.check_launch((self.num_processes, self.num_nodes) if spawned_here else None)
+        self._check_degrees(self.cluster_environment.configured)
         super()._configure_launcher()
+
+    def _check_degrees(self, configured: Topology | None) -> None:
+        """Requested pipeline or DP degrees that no layout of the configured cluster takes fail here, before any
+        process starts. Not checked: NIC kinds detected at start, an elastic job (the nodes that join may take other
+        degrees), and one stage (a module without the pipeline contract then runs FSDP over every rank)."""
+        if configured is None or self.min_nodes is not None:
+            return
+        if self.options.pp == 1 or self.options.dp == configured.world_size:
+            return
+        check_degrees(configured, self.options)
 
     @property
     @override
