@@ -38,26 +38,14 @@ LLAMA_LIKE = dict(
     max_position_embeddings=32,
     pad_token_id=0,
 )
+GPT2_LIKE = dict(n_embd=32, n_layer=3, n_head=4, n_positions=32, vocab_size=VOCAB)
 CONFIGS = {  # no dropout: one process and the pipeline then compute alike
-    "gpt2": lambda: tf.GPT2Config(
-        n_embd=32, n_layer=3, n_head=4, n_positions=32, vocab_size=VOCAB, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
-    ),
+    "gpt2": lambda: tf.GPT2Config(**GPT2_LIKE, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0),
     "llama": lambda: tf.LlamaConfig(**LLAMA_LIKE, tie_word_embeddings=True),  # grouped-query attention, RoPE, tied
     "qwen2": lambda: tf.Qwen2Config(**LLAMA_LIKE, tie_word_embeddings=False),  # qkv bias, untied
     "gemma": lambda: tf.GemmaConfig(**LLAMA_LIKE, head_dim=8),  # scaled embedding, (1 + w) norms, tied
     "gptj": lambda: tf.GPTJConfig(  # every layer looks its rotary sin/cos up by position id
-        n_embd=32,
-        n_layer=3,
-        n_head=4,
-        rotary_dim=4,
-        n_positions=32,
-        vocab_size=VOCAB,
-        resid_pdrop=0,
-        embd_pdrop=0,
-        attn_pdrop=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
+        **GPT2_LIKE, rotary_dim=4, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0, bos_token_id=1, eos_token_id=2
     ),
 }
 
