@@ -77,3 +77,22 @@ def test_a_model_on_meta_keeps_for_backward_what_its_fused_attention_keeps():
     assert math_path.layers[1].stash_bytes - on_meta.layers[1].stash_bytes == pytest.approx(probabilities, rel=0.01)
     attention_scores = 4 * s * s * h  # FLOPs: meta counts the math path's matmuls, CPU's fused kernel none
     assert on_meta.layers[1].forward_flops == on_cpu.layers[1].forward_flops + attention_scores
+
+
+class Returning(torch.nn.Module):
+    """A linear layer whose output `wrap` packs, e.g. with something a pipeline stage cannot send."""
+
+    def __init__(self, wrap) -> None:
+        super().__init__()
+        self.linear, self.wrap = torch.nn.Linear(4, 4), wrap
+
+    def forward(self, inputs: torch.Tensor) -> object:
+        return self.wrap(self.linear(inputs))
+
+
+@pytest.mark.parametrize(
+    ("wrap", "returned"), [(lambda hidden: (hidden, None), "Tensor, NoneType"), (lambda hidden: {"h": hidden}, "dict")]
+)
+def test_a_layer_returning_what_a_stage_cannot_send_is_named(wrap, returned):
+    with pytest.raises(TypeError, match=f"pipeline layer Returning returned {returned}: .* a tuple of tensors"):
+        profile_modules([Returning(wrap), torch.nn.Linear(4, 2)], torch.zeros(2, 4))

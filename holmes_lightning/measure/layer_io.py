@@ -16,8 +16,15 @@ def as_tuple(flow: Flow) -> tuple[torch.Tensor, ...]:
 
 
 def apply(layer: nn.Module, flow: Flow) -> Flow:
-    """`layer` on `flow`: a tuple is passed as several arguments."""
-    return layer(*as_tuple(flow))
+    """`layer` on `flow`: a tuple is passed as several arguments. Its output must flow on the same way."""
+    out = layer(*as_tuple(flow))
+    if not all(isinstance(t, torch.Tensor) for t in (out if isinstance(out, tuple) else (out,))):
+        kinds = ", ".join(type(t).__name__ for t in out) if isinstance(out, tuple) else type(out).__name__
+        raise TypeError(
+            f"pipeline layer {type(layer).__name__} returned {kinds}: a pipeline layer hands the next one a tensor or "
+            f"a tuple of tensors (samples first), the only things a pipeline stage sends; return those alone"
+        )
+    return out
 
 
 def detached(flow: Flow, *, requires_grad: bool = False) -> Flow:
