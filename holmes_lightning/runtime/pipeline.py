@@ -357,7 +357,8 @@ def same_batch(batch: Sequence[torch.Tensor], pp_group: dist.ProcessGroup, devic
         where = f"ranks {differ} read other batches than rank {ranks[0]}, their first stage" if differ else "elsewhere"
         raise ValueError(
             f"the ranks of one pipeline read different {kind} batches ({where}): every stage of a DP replica must "
-            f"read the same samples. Split data by the DP replica, `DistributedSampler(dataset, "
+            f"read the same samples. Build the same data on every rank (seed what is random, e.g. "
+            f"`L.seed_everything`) and split it by the DP replica, `DistributedSampler(dataset, "
             f"**trainer.strategy.distributed_sampler_kwargs)` (Lightning adds one to a map-style dataset by itself); "
             f"an IterableDataset takes its shard from the same num_replicas and rank, not the global rank"
         )
