@@ -520,8 +520,10 @@ def check_degrees(topology: Topology, options: PlanOptions) -> int | None:
     if pp is not None and world % pp:
         raise PlanError(f"pp={pp} does not divide the {world} ranks of {topology.name!r}; use a divisor")
     wanted = dp if dp is not None else (world // pp if pp is not None else None)
+    if options.layout is not LayoutKind.holmes or wanted is None:
+        return wanted
     valid = dp_degrees(topology)
-    if options.layout is LayoutKind.holmes and wanted is not None and wanted not in valid:
+    if wanted not in valid:
         groups = ", ".join(f"{g.cluster}/{g.nic.value}: {len(g.ranks)}" for g in topology.nic_groups())
         setting = f"dp={wanted}" if dp is not None else f"pp={pp} (dp={wanted})"
         raise PlanError(
