@@ -21,7 +21,7 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import LossRecorder, TinyMLP, run_ranks, tiny_dataset, tiny_loader
+from distributed import CLASSES, FEATURES, LossRecorder, TinyMLP, run_ranks, tiny_dataset, tiny_loader
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
@@ -367,6 +367,43 @@ def test_a_dataloader_dividing_a_global_batch_among_its_replicas_trains_on_it_an
     assert all(rank["losses"] == pytest.approx(reference, rel=1e-5) for rank in first)
     again = run_ranks("test_strategy:divided_batch", saved=saved, resume=True, timeout_s=180, env=QUICK)
     assert all(len(rank["losses"]) == 1 and not rank["new_plan"] for rank in again)
+
+
+class SharedBlockMLP(TinyMLP):
+    """One block applied four times, written as `[block] * 4` in a ModuleList (ALBERT shares its layer so)."""
+
+    def __init__(self) -> None:
+        super().__init__(widths=(FEATURES, 16, CLASSES))
+        block = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+        self.layers = nn.ModuleList([self.layers[0], *[block] * 4, self.layers[1]])
+
+    def train_dataloader(self) -> Any:
+        split, data = self.trainer.strategy.distributed_sampler_kwargs, tiny_dataset(STEPS_PER_EPOCH * GLOBAL_BATCH)
+        sampler = DistributedSampler(data, shuffle=True, seed=SEED, **split)
+        return DataLoader(data, batch_size=self.trainer.strategy.replica_batch_size, sampler=sampler, drop_last=True)
+
+
+def shared_block(partitions: list[list[int]]) -> list[list[float]]:
+    """Rank side: SharedBlockMLP split by each of `partitions`; the losses of each fit."""
+    runs = []
+    for partition in partitions:
+        L.seed_everything(SEED)
+        strategy = HolmesStrategy(cluster="two_cluster_mixed", partition=partition, global_batch=GLOBAL_BATCH)
+        runs.append(_fit(SharedBlockMLP(), strategy, STEPS_PER_EPOCH, None))
+    return runs
+
+
+@pytest.mark.slow
+def test_a_block_shared_by_layers_on_several_stages_trains_as_in_one_process() -> None:
+    """Stages that apply the block keep it (each a copy whose gradients are summed over them), a stage that does not
+    drops every place it is registered: the losses are one process's."""
+    partitions = [[3, 3], [1, 2, 2, 1]]  # both stages apply it; stage 3 does not
+    ranks = run_ranks("test_strategy:shared_block", partitions=partitions, timeout_s=240, env=QUICK)
+    L.seed_everything(SEED)
+    loader = tiny_loader(STEPS_PER_EPOCH * GLOBAL_BATCH, GLOBAL_BATCH, single_process_seed=SEED)
+    reference = _fit(SharedBlockMLP(), "auto", STEPS_PER_EPOCH, loader)
+    for runs in ranks:
+        assert runs == [pytest.approx(reference, rel=1e-5)] * len(partitions)
 
 
 def parameterless_stage() -> str:

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -138,17 +139,26 @@ def dict_inputs(batch: Mapping[str, torch.Tensor]) -> Inputs:
 
 
 def keep_owned_layers(module: nn.Module, layers: Sequence[nn.Module], owned: set[int]) -> None:
-    """Detach the layers this rank does not own from `module`: its parameters, optimizer and checkpoint skip them."""
-    parents = {id(child): (parent, name) for parent in module.modules() for name, child in parent.named_children()}
+    """Detach the layers this rank does not own from `module`: its parameters, optimizer and checkpoint skip them. A
+    module that several layers apply (one block shared by many, as ALBERT shares one) stays where this rank owns one
+    of them."""
+    # every place each module is registered, as (parent's path, name): `[block] * n` in a ModuleList has n places
+    places: defaultdict[int, list[tuple[str, str]]] = defaultdict(list)
+    for path, child in module.named_modules(remove_duplicate=False):
+        if path:  # not `module` itself
+            parent, _, name = path.rpartition(".")
+            places[id(child)].append((parent, name))
+    kept_modules = {id(layers[index]) for index in owned}
     for index, layer in enumerate(layers):
-        if id(layer) not in parents:
+        if id(layer) not in places:
             raise ContractError(
                 f"pipeline_layers()[{index}] ({type(layer).__name__}) is not a submodule of {type(module).__name__}; "
                 f"return the module's own layers (assigned as attributes or in an nn.ModuleList) so they train"
             )
-        if index not in owned:
-            parent, name = parents[id(layer)]
-            setattr(parent, name, None)
+    for layer in {id(layer): layer for layer in layers}.values():
+        if id(layer) not in kept_modules:
+            for parent, name in places[id(layer)]:
+                setattr(module.get_submodule(parent), name, None)
     kept = {id(p) for i in owned for p in layers[i].parameters()}
     stray = [name for name, p in module.named_parameters() if id(p) not in kept]
     if stray:
