@@ -210,3 +210,17 @@ def test_a_layer_gets_the_same_values_alone_as_in_the_whole_model() -> None:
     for ours, theirs in zip([*layer.parameters(), layer.scale], [*expected.parameters(), expected.scale], strict=True):
         assert torch.equal(ours, theirs)
     assert layer_seed(5, 3) != layer_seed(5, 4) and layer_seed(5, 3) != layer_seed(6, 3)
+
+
+def test_without_init_layer_each_layer_is_reset_and_a_shared_one_keeps_its_first_holders_values() -> None:
+    """No `init_layer`: each submodule's `reset_parameters()`, from the layer's own seed. A block that layers 1 and 2
+    both apply keeps layer 1's values, as a rank whose first layer of it is layer 1 gives it (and sends the rest)."""
+    block = nn.Linear(4, 4)
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Linear(4, 4), block, block])
+    model.pipeline_layers = lambda: list(model.layers)
+    init_layers(model, seed=5)
+    for index in (0, 1):
+        alone = nn.Linear(4, 4)
+        init_layer(model, alone, index=index, seed=5)
+        assert torch.equal(model.layers[index].weight, alone.weight)

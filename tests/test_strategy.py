@@ -26,7 +26,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from holmes_lightning import HolmesStrategy
+from holmes_lightning import HolmesStrategy, init_layers
 from holmes_lightning.cli.validate import collective_backend
 from holmes_lightning.planner import Plan, PlanError, PlanOptions, Sharding, StagePlan, StepPrediction
 from holmes_lightning.runtime.contract import ContractError
@@ -376,6 +376,8 @@ class SharedBlockMLP(TinyMLP):
         super().__init__(widths=(FEATURES, 16, CLASSES))
         block = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
         self.layers = nn.ModuleList([self.layers[0], *[block] * 4, self.layers[1]])
+        self.example_input_array = None  # the sample comes from the data (on meta, this one would hold none)
+        init_layers(self)  # no init_layer: each Linear's reset_parameters(), from its layer's seed
 
     def train_dataloader(self) -> Any:
         split, data = self.trainer.strategy.distributed_sampler_kwargs, tiny_dataset(STEPS_PER_EPOCH * GLOBAL_BATCH)
@@ -384,18 +386,21 @@ class SharedBlockMLP(TinyMLP):
 
 
 def shared_block(partitions: list[list[int]]) -> list[list[float]]:
-    """Rank side: SharedBlockMLP split by each of `partitions`; the losses of each fit."""
+    """Rank side: SharedBlockMLP built on meta, split by each of `partitions`; the losses of each fit."""
     runs = []
     for partition in partitions:
         L.seed_everything(SEED)
         strategy = HolmesStrategy(cluster="two_cluster_mixed", partition=partition, global_batch=GLOBAL_BATCH)
-        runs.append(_fit(SharedBlockMLP(), strategy, STEPS_PER_EPOCH, None))
+        with torch.device("meta"):
+            model = SharedBlockMLP()
+        runs.append(_fit(model, strategy, STEPS_PER_EPOCH, None))
     return runs
 
 
 @pytest.mark.slow
 def test_a_block_shared_by_layers_on_several_stages_trains_as_in_one_process() -> None:
-    """Stages that apply the block keep it (each a copy whose gradients are summed over them), a stage that does not
+    """Built on meta, each rank fills the layers it keeps, the block with its first holder's values as one process
+    does; stages that apply the block keep it (copies whose gradients are summed over them), a stage that does not
     drops every place it is registered: the losses are one process's."""
     partitions = [[3, 3], [1, 2, 2, 1]]  # both stages apply it; stage 3 does not
     ranks = run_ranks("test_strategy:shared_block", partitions=partitions, timeout_s=240, env=QUICK)

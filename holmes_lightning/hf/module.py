@@ -94,25 +94,13 @@ class HFCausalLM(L.LightningModule):
 
     @torch.no_grad()
     def init_layer(self, layer: nn.Module) -> None:
-        """Fill one pipeline layer: from the checkpoint when built from one, else with HF's `_init_weights`."""
+        """Fill one pipeline layer: from the checkpoint when built from one, else with HF's `_init_weights` over its
+        modules, children first as in HF's `initialize_weights` (a tied weight keeps its first holder's values, as HF
+        initialises it once: `init_layers` sees to that)."""
         if self.pretrained is None:
-            self._init_randomly(layer)
+            layer.apply(self.hf_model._init_weights)
         else:
             self._load(layer)
-
-    def _init_randomly(self, layer: nn.Module) -> None:
-        """HF's `_init_weights` over the layer's modules, children first as in HF's `initialize_weights`.
-
-        A tied weight that an earlier layer of this model holds too (the very tensor, not a copy) keeps that
-        layer's values: HF initialises a tied weight once, by its first holder.
-        """
-        index = next((i for i, held in enumerate(self.layers) if held is layer), 0)
-        earlier = {id(p) for held in list(self.layers)[:index] if held is not None for p in held.parameters()}
-        tensors = layer.state_dict(keep_vars=True)
-        kept = {name: t.clone() for name, t in tensors.items() if id(t) in earlier}
-        layer.apply(self.hf_model._init_weights)
-        for name, value in kept.items():
-            tensors[name].copy_(value)
 
     def _load(self, layer: nn.Module) -> None:
         """The layer's tensors from the checkpoint; those no checkpoint holds (rotary frequencies, embedding scales:

@@ -4,9 +4,9 @@ fills them with the values the whole model gets on one process.
 Initialisation goes layer by layer: pipeline layer i draws from torch's default generator seeded with
 `layer_seed(seed, i)`, so its values depend neither on which rank holds it nor on what the layers before it drew.
 `init_layers(model)` applies this to a whole model (call it at the end of `__init__`: the one-process model then
-starts from the same values); the strategy applies it to the layers a rank keeps, each on a full CPU copy of the
-layer (its "twin", taken while still on meta) whose shard it then copies in: one layer's full size is the most it
-ever allocates beyond what the rank keeps.
+starts from the same values; a weight or module several layers hold keeps its first holder's values, as on meta); the
+strategy applies it to the layers a rank keeps, each on a full CPU copy of the layer (its "twin", taken while still on
+meta) whose shard it then copies in: one layer's full size is the most it ever allocates beyond what the rank keeps.
 
 A layer is initialised by the LightningModule's `init_layer(layer)` when it defines one, else by the
 `reset_parameters()` of each of the layer's submodules that holds parameters or buffers.
@@ -46,9 +46,16 @@ def init_layers(model: nn.Module, seed: int | None = None) -> None:
     The global random state is the same afterwards as before.
     """
     seed = torch.initial_seed() if seed is None else seed
+    done: set[int] = set()  # tensors an earlier layer initialised: a weight several layers hold keeps the first's
     for index, layer in enumerate(model.pipeline_layers()):
         if layer is not None and not is_meta(layer):
+            tensors = layer.state_dict(keep_vars=True)
+            kept = {name: tensor.detach().clone() for name, tensor in tensors.items() if id(tensor) in done}
             init_layer(model, layer, index=index, seed=seed)
+            with torch.no_grad():
+                for name, value in kept.items():
+                    tensors[name].copy_(value)
+            done.update(id(tensor) for tensor in tensors.values())
 
 
 def init_layer(model: nn.Module, layer: nn.Module, *, index: int, seed: int) -> None:
@@ -63,7 +70,11 @@ def init_layer(model: nn.Module, layer: nn.Module, *, index: int, seed: int) -> 
 
 
 def _reset_parameters(layer: nn.Module, index: int, model_name: str) -> None:
-    holders = [m for m in layer.modules() if any(chain(m.parameters(recurse=False), m.buffers(recurse=False)))]
+    holders = [
+        m
+        for m in layer.modules()
+        if next(chain(m.parameters(recurse=False), m.buffers(recurse=False)), None) is not None
+    ]
     missing = sorted({type(m).__name__ for m in holders if not callable(getattr(m, "reset_parameters", None))})
     if missing:
         raise ContractError(
