@@ -550,6 +550,11 @@ def test_batches_are_inputs_and_targets_or_dicts_of_input_ids_and_labels() -> No
     ids = torch.arange(6).view(2, 3)
     inputs, labels = split_batch({"input_ids": ids, "labels": ids})
     assert torch.equal(inputs[1], torch.ones_like(ids)) and torch.equal(inputs[2], torch.tensor([[0, 1, 2]] * 2))
+    features, mask, targets = torch.zeros(2, 4), torch.ones(2, 4), torch.zeros(2)
+    inputs, labels = split_batch([[features, mask], targets])  # several inputs, as the default collate lists them
+    assert len(inputs) == 2 and inputs[0] is features and inputs[1] is mask and labels is targets
+    with pytest.raises(ContractError, match="inputs may be several"):
+        split_batch(((features, None), targets))
 
 
 @pytest.mark.parametrize(

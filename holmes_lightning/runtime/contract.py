@@ -96,23 +96,35 @@ def split_batch(batch: object) -> tuple[Inputs, torch.Tensor]:
                 f"DataCollatorForLanguageModeling(mlm=False) does), or yield (inputs, targets)"
             )
         return dict_inputs(batch), batch[DICT_TARGETS]
-    if isinstance(batch, tuple | list) and len(batch) == 2 and all(torch.is_tensor(t) for t in batch):
-        return (batch[0],), batch[1]
+    if isinstance(batch, tuple | list) and len(batch) == 2 and torch.is_tensor(batch[1]):
+        inputs = _tensors(batch[0])
+        if inputs is not None:
+            return inputs, batch[1]
     raise ContractError(
-        f"HolmesStrategy pipelines batches of the form (inputs, targets), two tensors with the samples first, or "
-        f"dicts of input_ids and labels (optionally attention_mask, position_ids); got {type(batch).__name__}; make "
-        f"the DataLoader yield one of these"
+        f"HolmesStrategy pipelines batches of the form (inputs, targets), tensors with the samples first (inputs may "
+        f"be several, a tuple the first layer takes as its arguments), or dicts of input_ids and labels (optionally "
+        f"attention_mask, position_ids); got {type(batch).__name__}; make the DataLoader yield one of these"
     )
 
 
+def _tensors(inputs: object) -> Inputs | None:
+    """A batch's inputs as the first layer's arguments: one tensor, or a tuple or list of them (None: neither)."""
+    if torch.is_tensor(inputs):
+        return (inputs,)
+    if isinstance(inputs, tuple | list) and inputs and all(torch.is_tensor(t) for t in inputs):
+        return tuple(inputs)
+    return None
+
+
 def prediction_inputs(batch: object) -> Inputs:
-    """The inputs of a predict batch: a tensor, (inputs,) or (inputs, targets), or a dict (its labels unused)."""
+    """The inputs of a predict batch: a tensor, (inputs,) or (inputs, targets) (inputs a tensor or a tuple of them),
+    or a dict (its labels unused)."""
     if torch.is_tensor(batch):
         return (batch,)
     if isinstance(batch, Mapping):
         return dict_inputs(batch)
-    if isinstance(batch, tuple | list) and len(batch) in (1, 2) and all(torch.is_tensor(t) for t in batch):
-        return (batch[0],)
+    if isinstance(batch, tuple | list) and len(batch) in (1, 2) and (inputs := _tensors(batch[0])) is not None:
+        return inputs
     raise ContractError(
         f"HolmesStrategy predicts from batches that are an inputs tensor, (inputs,), (inputs, targets) or a dict of "
         f"input_ids, samples first; got {type(batch).__name__}; make the predict DataLoader yield one of these"
