@@ -323,10 +323,11 @@ def test_without_a_global_batch_the_dataloader_sets_it_or_is_told_how() -> None:
 
 
 class DividedBatchMLP(TinyMLP):
-    """TinyMLP reading a DataLoader that divides GLOBAL_BATCH among the replicas `distributed_sampler_kwargs` gives."""
+    """TinyMLP reading a DataLoader that divides GLOBAL_BATCH among the replicas `distributed_sampler_kwargs` gives
+    (the sample to profile on comes from it too)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, **settings: Any) -> None:
+        super().__init__(**settings)
         self.example_input_array = None
 
     def train_dataloader(self) -> Any:
@@ -369,20 +370,15 @@ def test_a_dataloader_dividing_a_global_batch_among_its_replicas_trains_on_it_an
     assert all(len(rank["losses"]) == 1 and not rank["new_plan"] for rank in again)
 
 
-class SharedBlockMLP(TinyMLP):
-    """One block applied four times, written as `[block] * 4` in a ModuleList (ALBERT shares its layer so)."""
+class SharedBlockMLP(DividedBatchMLP):
+    """One block applied four times, written as `[block] * 4` in a ModuleList (ALBERT shares its layer so); its
+    sample comes from the data (on meta, an example input would hold none)."""
 
     def __init__(self) -> None:
         super().__init__(widths=(FEATURES, 16, CLASSES))
         block = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
         self.layers = nn.ModuleList([self.layers[0], *[block] * 4, self.layers[1]])
-        self.example_input_array = None  # the sample comes from the data (on meta, this one would hold none)
         init_layers(self)  # no init_layer: each Linear's reset_parameters(), from its layer's seed
-
-    def train_dataloader(self) -> Any:
-        split, data = self.trainer.strategy.distributed_sampler_kwargs, tiny_dataset(STEPS_PER_EPOCH * GLOBAL_BATCH)
-        sampler = DistributedSampler(data, shuffle=True, seed=SEED, **split)
-        return DataLoader(data, batch_size=self.trainer.strategy.replica_batch_size, sampler=sampler, drop_last=True)
 
 
 def shared_block(partitions: list[list[int]]) -> list[list[float]]:
