@@ -29,6 +29,7 @@ from holmes_lightning.planner.choice import STEP_TOLERANCE
 from holmes_lightning.planner.layout import StageHardware, dp_degrees, group_orders, holmes_layout, megatron_layout
 from holmes_lightning.planner.options import MODELLED_SCHEDULES
 from holmes_lightning.planner.report import format_plan
+from holmes_lightning.planner.schedules import microbatch_problem
 from holmes_lightning.topology import LinkKind, NICKind, Topology, shipped_cluster_names
 
 GPT_7_5B = ModelProfile.from_gpt(
@@ -519,3 +520,27 @@ def test_the_plan_table_keeps_its_columns_when_a_stage_holds_several_chunks() ->
     rows = [line for line in lines if line.startswith(("  0 ", "  1 "))]
     assert len(rows) == 2 and all(len(row.split(";")) == 2 for row in rows)  # two chunks per stage
     assert all(row[column - 2 : column] == "  " and row[column:].startswith("rdma ") for row in rows)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    schedule=st.sampled_from(MODELLED_SCHEDULES),
+    pp=st.sampled_from([1, 2, 4]),
+    microbatches=st.integers(1, 8),
+    size=st.integers(1, 4),
+    samples=st.integers(1, 40),
+)
+def test_a_batch_of_any_size_runs_in_equal_micro_batches_no_larger_than_planned(
+    schedule, pp, microbatches, size, samples
+):
+    """An epoch's short last batch (or an evaluation batch) splits evenly, into micro-batches of at most the planned
+    size; the plan's own micro-batches come first where they split it; a training split is one the schedule takes."""
+    plan = replace(best_plan(Topology.from_config("ib_only"), GPT_SMALL, BatchSettings(16)), schedule=schedule)
+    plan = replace(plan, stages=plan.stages[:1] * pp, microbatches=microbatches, microbatch_size=size)
+    counts = plan.microbatch_counts(samples)
+    assert counts and all(samples % count == 0 for count in counts)
+    assert counts[0] == microbatches if samples % microbatches == 0 else samples // counts[0] <= size
+    assert all(samples // count <= size for count in counts[1:])
+    training = plan.training_microbatches(samples)
+    accepted = [count for count in counts if microbatch_problem(schedule, pp, count) is None]
+    assert training == (accepted[0] if accepted else None)

@@ -370,6 +370,98 @@ def test_a_dataloader_dividing_a_global_batch_among_its_replicas_trains_on_it_an
     assert all(len(rank["losses"]) == 1 and not rank["new_plan"] for rank in again)
 
 
+SHORT_VALIDATION = 22  # 11 per replica: a batch of 8, then 3, which 2 micro-batches do not split
+
+
+def short_last_batches(sizes: list[int], steps: list[int]) -> list[list[float]]:
+    """Rank side: TinyMLP as pp=2 x dp=2 for `steps` on each training-set size in `sizes`, on DataLoaders that keep
+    their short last batch (Lightning splits them among the replicas); each fit's step losses and last val_loss."""
+    runs = []
+    for size, max_steps in zip(sizes, steps, strict=True):
+        L.seed_everything(SEED)
+        strategy = HolmesStrategy(cluster="two_cluster_mixed", pp=2, global_batch=GLOBAL_BATCH, timeout=60)
+        train = DataLoader(tiny_dataset(size), batch_size=GLOBAL_BATCH // 2, shuffle=True)
+        validation = DataLoader(tiny_dataset(SHORT_VALIDATION), batch_size=GLOBAL_BATCH // 2)
+        runs.append(_fit(TinyMLP(), strategy, max_steps, train, val_loader=validation))
+    return runs
+
+
+@pytest.mark.slow
+def test_an_epochs_short_last_batch_trains_and_evaluates_as_in_one_process() -> None:
+    """DataLoaders keep an epoch's last, short batch by default. 36 samples leave 2 per replica, which train in 2
+    micro-batches of 1; 34 leave 1, which 1F1B cannot split over 2 stages, so the loader drops it as drop_last=True
+    would. The validation set's last 3 per replica evaluate in one micro-batch (GPipe's forward, which takes fewer
+    micro-batches than stages). Losses and val_loss are one process's on the same global batches."""
+    sizes, steps = [2 * GLOBAL_BATCH + 4, 2 * GLOBAL_BATCH + 2], [6, 4]  # two epochs: 3 steps each, then 2
+    ranks = run_ranks("test_strategy:short_last_batches", sizes=sizes, steps=steps, timeout_s=240, env=QUICK)
+    references = []
+    for size, max_steps, drop_last in zip(sizes, steps, [False, True], strict=True):
+        L.seed_everything(SEED)
+        data = tiny_dataset(size)
+        order = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=SEED)
+        train = DataLoader(data, batch_size=GLOBAL_BATCH, sampler=order, drop_last=drop_last)
+        validation = DataLoader(tiny_dataset(SHORT_VALIDATION), batch_size=GLOBAL_BATCH)
+        assert len(train) == max_steps // 2
+        references.append(_fit(TinyMLP(), "auto", max_steps, train, val_loader=validation))
+    for runs in ranks:
+        assert runs == [pytest.approx(reference, rel=1e-5) for reference in references]
+
+
+class TokenMLP(L.LightningModule):
+    """Per-token next-token logits from an embedding and an MLP: batches of sequences of any length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        hidden = [nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(2)]
+        self.layers = nn.ModuleList([nn.Embedding(32, 16), *hidden, nn.Linear(16, 32)])
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return list(self.layers)
+
+    def pipeline_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(outputs.flatten(0, 1), targets.flatten())
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        outputs = batch[0]
+        for layer in self.layers:
+            outputs = layer(outputs)
+        return self.pipeline_loss(outputs, batch[1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=0.02)
+
+
+def padded_sequences(sampler: Any = None) -> DataLoader:
+    """Sequences of 3 to 63 tokens, each batch padded to its longest (as HF's padding collators do)."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(3, 64, (6 * GLOBAL_BATCH,), generator=generator).tolist()
+    rows = [torch.randint(1, 32, (length,), generator=generator) for length in lengths]
+
+    def pad(batch: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = nn.utils.rnn.pad_sequence(batch, batch_first=True)
+        return tokens, tokens.roll(-1, dims=1)
+
+    return DataLoader(rows, batch_size=GLOBAL_BATCH, shuffle=sampler is None, sampler=sampler, collate_fn=pad)
+
+
+def padded_sequence_steps() -> list[float]:
+    """Rank side: TokenMLP on 4 stages (dp=1) for 6 steps of `padded_sequences`, whose shapes change every batch."""
+    L.seed_everything(SEED)
+    strategy = HolmesStrategy(cluster="two_cluster_mixed", pp=4, global_batch=GLOBAL_BATCH, timeout=60)
+    return _fit(TokenMLP(), strategy, 6, padded_sequences())
+
+
+@pytest.mark.slow
+def test_batches_padded_to_their_longest_sequence_train_as_in_one_process() -> None:
+    """Each shape gets its own stage buffers (torch sizes them by the first micro-batch it sees): before, the stages
+    kept the first batch's shapes and the job failed at the next one."""
+    ranks = run_ranks("test_strategy:padded_sequence_steps", timeout_s=240, env=QUICK)
+    L.seed_everything(SEED)
+    order = DistributedSampler(range(6 * GLOBAL_BATCH), num_replicas=1, rank=0, shuffle=True, seed=SEED)
+    reference = _fit(TokenMLP(), "auto", 6, padded_sequences(order))
+    assert all(losses == pytest.approx(reference, rel=1e-5) for losses in ranks)
+
+
 class SharedBlockMLP(DividedBatchMLP):
     """One block applied four times, written as `[block] * 4` in a ModuleList (ALBERT shares its layer so); its
     sample comes from the data (on meta, an example input would hold none)."""

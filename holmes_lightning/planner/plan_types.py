@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from holmes_lightning.planner.options import Backend, Checkpointing, LayoutKind, Schedule, Sharding
+from holmes_lightning.planner.schedules import microbatch_problem
 from holmes_lightning.topology import LinkKind, NICKind
 
 PLAN_VERSION = 2  # 2: typed stage facts (clusters, nics, link kinds), `rdma` and `pp_links`
@@ -135,6 +136,20 @@ class Plan:
     def replica_batch(self) -> int:
         """Samples per step of one DP replica (what its DataLoader yields): micro-batches x micro-batch size."""
         return self.microbatches * self.microbatch_size
+
+    def microbatch_counts(self, samples: int) -> list[int]:
+        """The counts of equal micro-batches a replica batch of `samples` may run in, best first: the plan's where they
+        split it, then from the fewest of at most `microbatch_size` samples each up to one sample each (a shorter
+        batch, such as an epoch's last, stays within the memory planned for a micro-batch)."""
+        fewest = -(-samples // self.microbatch_size)
+        counts = [count for count in range(fewest, samples + 1) if samples % count == 0]
+        return [self.microbatches, *counts] if samples % self.microbatches == 0 else counts
+
+    def training_microbatches(self, samples: int) -> int | None:
+        """The micro-batches a training batch of `samples` per replica runs in (`microbatch_counts`, the first the
+        schedule takes: 1F1B wants at least pp, ...); None where none splits it."""
+        counts = self.microbatch_counts(samples)
+        return next((count for count in counts if microbatch_problem(self.schedule, self.pp, count) is None), None)
 
     @property
     def is_fsdp(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -14,12 +15,16 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle, get_schedule_class
 
 from holmes_lightning.planner import Plan
+from holmes_lightning.planner.schedules import microbatch_problem
 from holmes_lightning.runtime.contract import Inputs, LossWeight
 from holmes_lightning.runtime.sharding import GradientSync
 from holmes_lightning.runtime.ties import TiedCopies
 
 T = TypeVar("T")
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# a forward-only schedule that takes any micro-batch count, by (V placement, several chunks per stage)
+_FORWARD_ONLY = {(False, False): "GPipe", (False, True): "LoopedBFS", (True, True): "ZBVZeroBubble"}
+_SCHEDULES_KEPT = 8  # a schedule holds receive buffers of its micro-batches' activations (and gradients)
 
 
 class LayerChain(nn.Sequential):
@@ -143,9 +148,7 @@ class Pipeline:
         self.gradient_syncs = list(gradient_syncs)
         self.tied = tied
         self.fsdp_modules = [m for chunk in self.chunks for m in chunk.modules() if isinstance(m, FSDPModule)]
-        self.schedule_class = get_schedule_class(plan.schedule)
-        self.train_schedule = self._schedule(with_loss=True)
-        self._forward_schedules: dict[tuple[tuple[tuple[int, ...], ...], bool], _Schedule] = {}
+        self._schedules: OrderedDict[tuple[object, ...], _Schedule] = OrderedDict()  # `_schedule`'s, latest used last
         self._weight_scale: torch.Tensor | None = None  # micro-batches x replicas / the global batch's weight
         self._compared: set[str] = set()  # the kinds of batch whose first one the pipeline's ranks compared
 
@@ -162,17 +165,33 @@ class Pipeline:
         """The stage that runs the last virtual stage: its rank in the pipeline group (groups follow stage order)."""
         return next(stage for stage in range(self.plan.pp) if self.plan.holds_last(stage))
 
-    def _schedule(self, *, with_loss: bool) -> _Schedule:
-        loss_fn = self._loss if with_loss else None
+    def _schedule(self, inputs: Inputs, *, microbatches: int, with_loss: bool, backward: bool) -> _Schedule:
+        """The schedule for batches of these shapes in `microbatches`: the plan's, or for a forward that it would
+        refuse that count (1F1B under pp micro-batches, ...) the one of the same stage placement that takes any
+        (`_FORWARD_ONLY`). Stage buffers are sized by the first micro-batch a schedule sees, so each shape (padding to
+        the longest sequence of a batch makes many) gets its own; the `_SCHEDULES_KEPT` used last are kept."""
+        key = (backward, with_loss, microbatches, *(tuple(t.shape) for t in inputs))
+        if key not in self._schedules:
+            if len(self._schedules) == _SCHEDULES_KEPT:
+                self._schedules.popitem(last=False)
+            self._schedules[key] = self._new_schedule(microbatches, with_loss=with_loss, backward=backward)
+        self._schedules.move_to_end(key)
+        return self._schedules[key]
+
+    def _new_schedule(self, microbatches: int, *, with_loss: bool, backward: bool) -> _Schedule:
+        name = self.plan.schedule.value
+        if not backward and microbatch_problem(self.plan.schedule, self.plan.pp, microbatches) is not None:
+            name = _FORWARD_ONLY[self.plan.schedule.v_shaped, self.plan.chunks_per_stage > 1]
+        schedule_class = get_schedule_class(name)
         virtual = self.plan.virtual_stages(self.stage)
         stages = [
             HopStage(chunk, index, self.plan.num_virtual_stages, self.device, self.pp_group, self.hop_groups)
             for index, chunk in zip(virtual, self.chunks, strict=True)
         ]
-        microbatches = self.plan.microbatches
-        if issubclass(self.schedule_class, PipelineScheduleSingle):
-            return _Schedule(self.schedule_class(stages[0], n_microbatches=microbatches, loss_fn=loss_fn), stages)
-        return _Schedule(self.schedule_class(stages, n_microbatches=microbatches, loss_fn=loss_fn), stages)
+        single = issubclass(schedule_class, PipelineScheduleSingle)
+        loss_fn = self._loss if with_loss else None
+        runner = schedule_class(stages[0] if single else stages, n_microbatches=microbatches, loss_fn=loss_fn)
+        return _Schedule(runner, stages)
 
     def _loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One micro-batch's loss as the schedule backpropagates it: the module's, weighted where it weighs."""
@@ -181,45 +200,65 @@ class Pipeline:
             return loss
         return loss * self.loss_weight(targets) * self._weight_scale
 
-    def _weigh(self, targets: torch.Tensor | None) -> None:
+    def _weigh(self, targets: torch.Tensor | None, microbatches: int) -> None:
         """Before a step, on the last stage: what each micro-batch's weight counts for in the global batch."""
         self._weight_scale = None
         if self.loss_weight is None or targets is None or not self.is_last:
             return
-        chunks = targets.to(self.device).chunk(self.plan.microbatches)
+        chunks = targets.to(self.device).chunk(microbatches)
         total = torch.stack([self.loss_weight(chunk).to(torch.float64) for chunk in chunks]).sum()
         if self.dp_group is not None:
             dist.all_reduce(total, group=self.dp_group)
         self._weight_scale = len(chunks) * self.plan.dp / total.clamp(min=1)
 
-    def train_step(self, inputs: Inputs, targets: torch.Tensor, *, keep_outputs: bool = False) -> StepResult:
-        """Forward and backward of one replica batch; gradients land in the stage's parameters."""
-        samples = inputs[0].shape[0]
-        if samples != self.plan.replica_batch:
-            raise ValueError(
-                f"a training batch has {samples} samples per DP replica but the plan needs "
-                f"{self.plan.microbatches} micro-batches x {self.plan.microbatch_size} = {self.plan.replica_batch}; "
-                f"give the train DataLoader batch_size=strategy.replica_batch_size (global batch / dp), drop_last=True"
+    def train_step(
+        self, inputs: Inputs, targets: torch.Tensor, *, keep_outputs: bool = False, epoch_end: bool = False
+    ) -> StepResult:
+        """Forward and backward of one replica batch; gradients land in the stage's parameters. A shorter batch at
+        an epoch's end (`epoch_end`: a DataLoader that keeps its last, partial batch) runs in the micro-batches that
+        `Plan.training_microbatches` splits it into (`runs_short`)."""
+        samples, plan = inputs[0].shape[0], self.plan
+        short = epoch_end and samples < plan.replica_batch
+        microbatches = plan.training_microbatches(samples) if short else None
+        if samples == plan.replica_batch:
+            microbatches = plan.microbatches
+        if microbatches is None:
+            fix = (
+                f"an epoch's last batch must split into micro-batches of at most {plan.microbatch_size} samples that "
+                f"{plan.schedule.value} takes on {plan.pp} stages; give the train DataLoader drop_last=True"
+                if short
+                else f"the plan needs {plan.microbatches} micro-batches x {plan.microbatch_size} = "
+                f"{plan.replica_batch}; give the train DataLoader batch_size=strategy.replica_batch_size (global "
+                f"batch / dp)"
             )
+            raise ValueError(f"a training batch has {samples} samples per DP replica: {fix}")
         self._compare_first("training", (*inputs, targets))
         for module in self.fsdp_modules:  # every stage gathers now, not when its first micro-batch arrives
             module.unshard(async_op=True)  # FSDP's pre-forward waits for it
-        self._weigh(targets)
-        local, outputs = self._run(self.train_schedule, inputs, targets, keep_outputs=keep_outputs, backward=True)
+        self._weigh(targets, microbatches)
+        schedule = self._schedule(inputs, microbatches=microbatches, with_loss=True, backward=True)
+        local, outputs = self._run(schedule, inputs, targets, keep_outputs=keep_outputs, backward=True)
         for sync in self.gradient_syncs:
             sync()
         return StepResult(shared_loss(local, self.plan.dp, self.device), outputs)
 
+    def runs_short(self, samples: int) -> bool:
+        """Whether an epoch's last training batch of `samples`, shorter than the plan's, splits into micro-batches the
+        schedule takes (else its DataLoader should drop it)."""
+        return self.plan.training_microbatches(samples) is not None
+
     def eval_step(self, inputs: Inputs, targets: torch.Tensor, *, keep_outputs: bool = False) -> StepResult:
-        """Forward only, in the plan's micro-batches (any batch size they divide)."""
+        """Forward only, of any batch size (`_forward`)."""
         self._compare_first("evaluation", (*inputs, targets))
-        self._weigh(targets)
-        local, outputs = self._forward(inputs, targets, keep_outputs=keep_outputs, purpose="an evaluation")
+        microbatches = self.plan.microbatch_counts(inputs[0].shape[0])[0]
+        self._weigh(targets, microbatches)
+        local, outputs = self._forward(inputs, targets, microbatches=microbatches, keep_outputs=keep_outputs)
         return StepResult(shared_loss(local, self.plan.dp, self.device), outputs)
 
     def predict_step(self, inputs: Inputs) -> torch.Tensor | None:
         """Forward only, no loss: the last stage's outputs (None on the other stages)."""
-        return self._forward(inputs, None, keep_outputs=True, purpose="a prediction")[1]
+        microbatches = self.plan.microbatch_counts(inputs[0].shape[0])[0]
+        return self._forward(inputs, None, microbatches=microbatches, keep_outputs=True)[1]
 
     def _compare_first(self, kind: str, batch: Sequence[torch.Tensor]) -> None:
         """On the first batch of a kind, that the pipeline's ranks all read it (`same_batch`)."""
@@ -228,22 +267,15 @@ class Pipeline:
         self._compared.add(kind)
 
     def _forward(
-        self, inputs: Inputs, targets: torch.Tensor | None, *, keep_outputs: bool, purpose: str
+        self, inputs: Inputs, targets: torch.Tensor | None, *, microbatches: int, keep_outputs: bool
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        microbatches = self.plan.microbatches
-        if inputs[0].shape[0] % microbatches:
-            raise ValueError(
-                f"{purpose} batch has {inputs[0].shape[0]} samples per DP replica, which does not split into the "
-                f"plan's {microbatches} micro-batches; use a batch size that is a multiple of {microbatches} and "
-                f"drop_last=True in its DataLoader"
-            )
+        """Forward only, in the first of `Plan.microbatch_counts` (the plan's micro-batches where they split the
+        batch; else, e.g. for an epoch's short last batch, the fewest of at most the planned size)."""
         if self.plan.pp == 1:  # every virtual stage is here: run the chunks in order (torch's eval trips on this)
-            result = self._run_locally(inputs, targets, keep_outputs=keep_outputs)
+            result = self._run_locally(inputs, targets, microbatches=microbatches, keep_outputs=keep_outputs)
         else:
-            key = (tuple(tuple(t.shape) for t in inputs), targets is not None)
-            if key not in self._forward_schedules:  # stage buffers are sized by the first micro-batch they see
-                self._forward_schedules[key] = self._schedule(with_loss=targets is not None)
-            result = self._run(self._forward_schedules[key], inputs, targets, keep_outputs=keep_outputs)
+            schedule = self._schedule(inputs, microbatches=microbatches, with_loss=targets is not None, backward=False)
+            result = self._run(schedule, inputs, targets, keep_outputs=keep_outputs)
         for module in self.fsdp_modules:
             module.reshard()  # no backward follows to free the gathered weights
         return result
@@ -270,10 +302,9 @@ class Pipeline:
         return _mean(losses), outputs
 
     def _run_locally(
-        self, inputs: Inputs, targets: torch.Tensor | None, *, keep_outputs: bool
+        self, inputs: Inputs, targets: torch.Tensor | None, *, microbatches: int, keep_outputs: bool
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         losses, outputs = [], []
-        microbatches = self.plan.microbatches
         target_chunks = targets.to(self.device).chunk(microbatches) if targets is not None else [None] * microbatches
         input_chunks = zip(*(t.to(self.device).chunk(microbatches) for t in inputs), strict=True)
         for x, y in zip(input_chunks, target_chunks, strict=True):

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from types import MethodType
 from typing import Any
@@ -503,10 +504,9 @@ class HolmesStrategy(ModelParallelStrategy):
         keep_outputs = step_hook(module, "training_step") is not None
         trainer, pipeline = module.trainer, self.pipeline
         window_start = trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0
+        step = partial(pipeline.train_step, inputs, targets, keep_outputs=keep_outputs, epoch_end=trainer.is_last_batch)
         with self.precision_plugin.train_step_context():
-            result = self._gradients.hold(
-                lambda: pipeline.train_step(inputs, targets, keep_outputs=keep_outputs), window_start=window_start
-            )
+            result = self._gradients.hold(step, window_start=window_start)
         report_step(module, self.pipeline, step="training_step", result=result, targets=targets, step_args=args[1:])
         return result.loss
 
@@ -615,9 +615,12 @@ class HolmesStrategy(ModelParallelStrategy):
             checkpoint.remove(Path(filepath))
 
     def process_dataloader(self, dataloader: object) -> object:
-        """Training data resumes mid-epoch where the checkpoint left it (Lightning alone restarts the epoch)."""
+        """Training data resumes mid-epoch where the checkpoint left it (Lightning alone restarts the epoch), and
+        drops an epoch's short last batch that the pipeline cannot split (`Pipeline.runs_short`)."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        return resume.resumable(dataloader, trainer) if trainer is not None and trainer.training else dataloader
+        if trainer is None or not trainer.training:
+            return dataloader
+        return resume.resumable(dataloader, trainer, runs=self.pipeline.runs_short if self.pipeline else None)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """The first step after a resume draws the random numbers the interrupted run would have drawn."""
