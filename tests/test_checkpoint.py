@@ -10,8 +10,11 @@ import hashlib
 import json
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from distributed import run_ranks
@@ -51,6 +54,7 @@ def save(directory: Path, step: int, model: tuple[nn.Module, torch.optim.Optimiz
         "global_step": step,
         "epoch": 0,
         "hyper_parameters": SHAPE,
+        "pytorch-lightning_version": L.__version__,
     }
     path = directory / f"step_{step:06d}.ckpt"
     checkpoint.save(state, path, plan=one_rank_plan(), rank=0)
@@ -92,6 +96,43 @@ def test_load_restores_weights_optimizer_and_random_state(tmp_path: Path) -> Non
     random.seed(0)
     random.setstate(rng["python"])
     assert random.random() == expected_draw
+
+
+class Classifier(L.LightningModule):
+    """`trained()`'s network as a LightningModule, as a user's script defines it."""
+
+    def __init__(self, n_layers: int, d_model: int) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(4, d_model), nn.Tanh(), nn.Linear(d_model, 2))
+
+
+def test_lightnings_consolidation_makes_one_file_that_load_from_checkpoint_reads(tmp_path: Path) -> None:
+    """`python -m lightning.pytorch.utilities.consolidate_checkpoint` reads Lightning's sharded layout; it refused
+    ours (KeyError: 'model'), so a model trained under HolmesStrategy could not leave it."""
+    module = Classifier(**SHAPE)
+    module.net = trained()[0]
+    optimizer = torch.optim.AdamW(module.parameters())
+    path = save(tmp_path, 5, (module, optimizer))
+    out = tmp_path / "one_file.ckpt"
+    command = [sys.executable, "-m", "lightning.pytorch.utilities.consolidate_checkpoint", str(path)]
+    subprocess.run([*command, "--output_file", str(out)], check=True, capture_output=True)
+    loaded = Classifier.load_from_checkpoint(out)
+    assert loaded.hparams == SHAPE and torch.load(out, weights_only=False)["global_step"] == 5
+    for name, tensor in module.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def test_a_checkpoint_of_an_earlier_version_still_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Earlier versions kept the weights under DCP's "state_dict" key."""
+    module, optimizer = trained()
+    with monkeypatch.context() as earlier:
+        earlier.setattr(checkpoint, "MODEL_KEY", checkpoint.LEGACY_MODEL_KEY)
+        path = save(tmp_path, 2, (module, optimizer))
+    fresh, fresh_optimizer = trained()
+    checkpoint.load(path, fresh, [fresh_optimizer], plan=one_rank_plan(), rank=0, strict=True)
+    for mine, theirs in zip(module.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
 
 
 def test_loading_into_another_shape_names_the_tensor(tmp_path: Path) -> None:

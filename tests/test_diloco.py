@@ -372,8 +372,8 @@ def test_train_py_runs_diloco_over_two_sites_and_resumes_exactly(tmp_path):
         assert set(again) == {4, 5, 6, 7} and all(again[s] == pytest.approx(ran[s], rel=1e-6) for s in again)
     assert losses(full, "A") != losses(full, "B")  # each site its own data order
     a, b = (weights(full / f"checkpoints/site-{s}/step_000008.ckpt", tmp_path / f"{s}.pt") for s in "AB")
-    for name, tensor in a["state_dict"].items():
-        assert torch.equal(tensor, b["state_dict"][name]), name  # the outer step landed on both sites
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name  # the outer step landed on both sites
     assert set(a["diloco"]) == {"outer", "momentum"} and a["diloco"]["momentum"]
 
 
@@ -402,8 +402,8 @@ def test_a_users_script_runs_diloco_on_fsdp_shards_under_holmes_launch(tmp_path)
     command = ["cluster=two_sites_1gbps", "sites=auto", "--", sys.executable, str(script), str(tmp_path), "diloco"]
     assert launch_main(command) == 0
     a, b = (weights(tmp_path / f"site-{s}/last.ckpt", tmp_path / f"{s}.pt") for s in "AB")
-    for name, tensor in a["state_dict"].items():
-        assert torch.equal(tensor, b["state_dict"][name]), name
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name
         assert torch.equal(a["diloco"]["outer"][name], tensor), name  # the parameters took the outer ones
     losses = [json.loads((tmp_path / f"site-{s}/site-{s}-rank0.json").read_text()) for s in "AB"]
     assert len(losses[0]) == 6 and losses[0] != losses[1]

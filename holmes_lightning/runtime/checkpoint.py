@@ -1,9 +1,11 @@
 """Sharded checkpoints with torch.distributed.checkpoint: each rank writes its own stage's shards, published atomically.
 
-A checkpoint is a directory: DCP's shards and `.metadata`, Lightning's loop/callback state in `meta.pt`, the
-`plan.json` that wrote it (with what that plan was made for under `made_for`, so a resume on the same nodes can run
-it again: `runtime.stored_plan`), each rank's random-number state in `rng_rank<N>.pt`, and `complete.json`, written
-last.
+A checkpoint is a directory in the layout of Lightning's own sharded checkpoints: the weights under DCP's "model" key,
+each optimizer's state under "optimizer_<i>", Lightning's loop and callback state in `meta.pt` (so Lightning's
+`python -m lightning.pytorch.utilities.consolidate_checkpoint` makes one file of it, which `load_from_checkpoint`
+reads). Beside them: the `plan.json` that wrote it (with what that plan was made for under `made_for`, so a resume on
+the same nodes can run it again: `runtime.stored_plan`), each rank's random-number state in `rng_rank<N>.pt`, and
+`complete.json`, written last.
 Everything is written into a hidden staging directory that is renamed to the checkpoint's name only once every rank
 finished, so a crash while saving leaves the checkpoints already published untouched. Parameters and optimizer state
 are keyed by their names in the LightningModule (the optimizer state flattened per parameter), so a stage's keys are
@@ -50,6 +52,8 @@ COMPLETE_FILE = "complete.json"
 DCP_METADATA_FILE = ".metadata"
 DIGEST = "sha256"
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+MODEL_KEY = "model"  # the weights' DCP key in Lightning's sharded checkpoints (FSDP, ModelParallel)
+LEGACY_MODEL_KEY = "state_dict"  # earlier versions' key, which Lightning's consolidation does not read
 
 
 class CheckpointError(ValueError):
@@ -88,7 +92,7 @@ def save(
         staging.mkdir(parents=True)
     _barrier()
     torch.save(_collect_rng_states(), staging / rng_file(rank))
-    state = {"state_dict": checkpoint.pop("state_dict")}
+    state = {MODEL_KEY: checkpoint.pop("state_dict")}
     state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
     state.update(extra or {})
     metadata = dcp.save(state, checkpoint_id=staging)  # returns once every rank's shards and `.metadata` are written
@@ -361,7 +365,8 @@ def load(
     _refuse_damaged(path, sorted(name for damaged in _gather(_damaged(path, digests, share)) for name in damaged))
     saved = Plan.from_json((path / PLAN_FILE).read_text())
     check_resumable(saved, plan, path)
-    state: dict[str, Any] = {"state_dict": model_state(module)}
+    key = _model_key(path)
+    state: dict[str, Any] = {key: model_state(module)}
     state.update({f"optimizer_{i}": optimizer_state(module, opt) for i, opt in enumerate(optimizers)})
     state.update(extra or {})
     try:
@@ -372,7 +377,7 @@ def load(
             f"checkpoint {str(path)!r} does not fit this model ({cause}); resume with the model and optimizer it "
             f"was saved from, or start without resume"
         ) from err
-    set_model_state_dict(module, state["state_dict"], options=StateDictOptions(strict=strict))
+    set_model_state_dict(module, state[key], options=StateDictOptions(strict=strict))
     for i, optimizer in enumerate(optimizers):
         with _without_empty_groups(optimizer):
             set_optimizer_state_dict(module, optimizer, state[f"optimizer_{i}"], options=OPTIONS)
@@ -381,6 +386,12 @@ def load(
     return torch.load(path / _METADATA_FILENAME, weights_only=False), torch.load(
         rng, weights_only=False
     ) if same_job else None
+
+
+def _model_key(path: Path) -> str:
+    """The DCP key the checkpoint at `path` keeps its weights under (`MODEL_KEY`, or an older one's)."""
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    return LEGACY_MODEL_KEY if any(name.startswith(f"{LEGACY_MODEL_KEY}.") for name in saved) else MODEL_KEY
 
 
 @contextmanager
