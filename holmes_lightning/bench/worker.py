@@ -38,6 +38,7 @@ from holmes_lightning.planner import Plan
 from holmes_lightning.recipes import ByteCorpusDataModule
 from holmes_lightning.runtime import HolmesStrategy
 from holmes_lightning.runtime.environment import default_environment
+from holmes_lightning.runtime.pipeline import BuiltSchedule
 from holmes_lightning.topology import Topology
 
 
@@ -88,9 +89,13 @@ class PassTimer(Callback):
 
     def on_train_start(self, trainer: L.Trainer, _module: L.LightningModule) -> None:
         pipeline = getattr(trainer.strategy, "pipeline", None)
-        if pipeline is None:
+        if pipeline is not None:
+            pipeline.on_schedule_built.append(self._time)
+
+    def _time(self, schedule: BuiltSchedule) -> None:
+        """Time a training schedule's calls and its stages' passes (the pipeline builds one per batch shape)."""
+        if not schedule.trains:
             return
-        schedule = pipeline.train_schedule
         schedule.runner.step = self._timed(schedule.runner.step, "_in_schedule")
         for stage in schedule.stages:
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining.schedules import get_schedule_class
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -120,8 +121,8 @@ def structure(strategy: HolmesStrategy, module: L.LightningModule) -> dict[str, 
         "microbatches": plan.microbatches,
         "checkpointing": str(plan.stages[0].checkpointing),
         "memory_gb": plan.stages[0].memory_gb,
-        "schedule": type(pipeline.train_schedule.runner).__name__ if pipeline else None,
-        "local_stages": len(pipeline.train_schedule.stages) if pipeline else 0,
+        "schedule": get_schedule_class(plan.schedule.value).__name__ if pipeline else None,
+        "local_stages": len(pipeline.chunks) if pipeline else 0,  # a PipelineStage each
         "fsdp_modules": sum(isinstance(m, FSDPModule) for m in module.modules()),
         "dtensor_params": all(isinstance(p, DTensor) for p in module.parameters()),
         "backend": strategy.process_group_backend,

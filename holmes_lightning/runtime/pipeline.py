@@ -47,11 +47,13 @@ class StepResult:
 
 
 @dataclass(frozen=True)
-class _Schedule:
-    """A torch schedule and the PipelineStages it runs (a step leaves activations and outputs in them)."""
+class BuiltSchedule:
+    """A torch schedule, the PipelineStages it runs (a step leaves activations and outputs in them), and whether it
+    trains (runs backward) or only runs forward."""
 
     runner: PipelineScheduleSingle | PipelineScheduleMulti
     stages: list[PipelineStage]
+    trains: bool
 
 
 class HopStage(PipelineStage):
@@ -148,7 +150,8 @@ class Pipeline:
         self.gradient_syncs = list(gradient_syncs)
         self.tied = tied
         self.fsdp_modules = [m for chunk in self.chunks for m in chunk.modules() if isinstance(m, FSDPModule)]
-        self._schedules: OrderedDict[tuple[object, ...], _Schedule] = OrderedDict()  # `_schedule`'s, latest used last
+        self._schedules: OrderedDict[tuple[object, ...], BuiltSchedule] = OrderedDict()  # latest used last
+        self.on_schedule_built: list[Callable[[BuiltSchedule], None]] = []  # called with each, before its first step
         self._weight_scale: torch.Tensor | None = None  # micro-batches x replicas / the global batch's weight
         self._compared: set[str] = set()  # the kinds of batch whose first one the pipeline's ranks compared
 
@@ -165,7 +168,7 @@ class Pipeline:
         """The stage that runs the last virtual stage: its rank in the pipeline group (groups follow stage order)."""
         return next(stage for stage in range(self.plan.pp) if self.plan.holds_last(stage))
 
-    def _schedule(self, inputs: Inputs, *, microbatches: int, with_loss: bool, backward: bool) -> _Schedule:
+    def _schedule(self, inputs: Inputs, *, microbatches: int, with_loss: bool, backward: bool) -> BuiltSchedule:
         """The schedule for batches of these shapes in `microbatches`: the plan's, or for a forward that it would
         refuse that count (1F1B under pp micro-batches, ...) the one of the same stage placement that takes any
         (`_FORWARD_ONLY`). Stage buffers are sized by the first micro-batch a schedule sees, so each shape (padding to
@@ -175,10 +178,12 @@ class Pipeline:
             if len(self._schedules) == _SCHEDULES_KEPT:
                 self._schedules.popitem(last=False)
             self._schedules[key] = self._new_schedule(microbatches, with_loss=with_loss, backward=backward)
+            for callback in self.on_schedule_built:
+                callback(self._schedules[key])
         self._schedules.move_to_end(key)
         return self._schedules[key]
 
-    def _new_schedule(self, microbatches: int, *, with_loss: bool, backward: bool) -> _Schedule:
+    def _new_schedule(self, microbatches: int, *, with_loss: bool, backward: bool) -> BuiltSchedule:
         name = self.plan.schedule.value
         if not backward and microbatch_problem(self.plan.schedule, self.plan.pp, microbatches) is not None:
             name = _FORWARD_ONLY[self.plan.schedule.v_shaped, self.plan.chunks_per_stage > 1]
@@ -191,7 +196,7 @@ class Pipeline:
         single = issubclass(schedule_class, PipelineScheduleSingle)
         loss_fn = self._loss if with_loss else None
         runner = schedule_class(stages[0] if single else stages, n_microbatches=microbatches, loss_fn=loss_fn)
-        return _Schedule(runner, stages)
+        return BuiltSchedule(runner, stages, trains=backward)
 
     def _loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One micro-batch's loss as the schedule backpropagates it: the module's, weighted where it weighs."""
@@ -282,7 +287,7 @@ class Pipeline:
 
     def _run(
         self,
-        schedule: _Schedule,
+        schedule: BuiltSchedule,
         inputs: Inputs,
         targets: torch.Tensor | None,
         *,

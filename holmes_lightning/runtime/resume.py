@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sized
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.types import _Stateful
@@ -111,7 +111,7 @@ def resumable(dataloader: object, trainer: pl.Trainer, runs: Callable[[int], boo
     ):
         return dataloader
     batches, progress = dataloader.batch_sampler, trainer.fit_loop.epoch_loop.batch_progress
-    short = len(dataloader.sampler) % batches.batch_size
+    short = len(dataloader.sampler) % batches.batch_size if isinstance(dataloader.sampler, Sized) else 0
     drop_last = batches.drop_last or bool(short and runs is not None and not runs(short))
     if drop_last and not batches.drop_last:
         rank_zero_warn(
