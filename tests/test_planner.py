@@ -23,6 +23,7 @@ from holmes_lightning.planner import (
     SettingError,
     best_plan,
     best_plan_per_replica,
+    check_batch,
     compare_plans,
 )
 from holmes_lightning.planner.choice import STEP_TOLERANCE
@@ -544,3 +545,23 @@ def test_a_batch_of_any_size_runs_in_equal_micro_batches_no_larger_than_planned(
     training = plan.training_microbatches(samples)
     accepted = [count for count in counts if microbatch_problem(schedule, pp, count) is None]
     assert training == (accepted[0] if accepted else None)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    topology=topologies(),
+    global_batch=st.integers(1, 24),
+    microbatches=st.none() | st.integers(1, 6),
+    pp=st.none() | st.integers(1, 4),
+    schedule=st.sampled_from(["GPipe", "1F1B", "Interleaved1F1B", "DualPipeV", "auto"]),
+)
+def test_the_batch_check_before_launch_never_refuses_a_job_the_planner_plans(
+    topology, global_batch, microbatches, pp, schedule
+):
+    """`check_batch` runs without a model before any process starts: what it refuses, no plan could run."""
+    options, batch = PlanOptions(pp=pp, schedule=schedule), BatchSettings(global_batch, microbatches=microbatches)
+    try:
+        best_plan(topology, GPT_SMALL, batch, options=options)
+    except PlanError:
+        return
+    check_batch(topology, options, batch)

@@ -668,10 +668,15 @@ def test_bad_arguments_fail_at_construction(arguments: dict[str, Any], message: 
         ({"pp": 3}, r"pp=3 does not divide the 4 ranks of 'two_cluster_mixed'"),
         ({"pp": 2, "cluster": "three_cluster"}, r"pp=2 \(dp=4\): every stage must hold one NIC kind .* dp in \[1, 2\]"),
         ({"pp": 2, "dp": 1}, r"pp=2 x dp=1 = 2 ranks, but 'two_cluster_mixed' has 4"),
+        ({"global_batch": 16, "microbatches": 3}, r"splits global_batch=16:\n.*microbatches=3 does not divide"),
+        ({"pp": 2, "global_batch": 3}, r"global_batch=3 does not split over dp=2 ranks; use a multiple of 2"),
+        ({"pp": 4, "global_batch": 2}, r"1F1B needs microbatches >= stages, got 2 < 4 .* or schedule GPipe"),
+        ({"global_batch": 8, "microbatches": 3, "schedule": "auto"}, r"microbatches=3 does not divide the 4 samples"),
     ],
 )
 def test_degrees_no_layout_takes_fail_when_the_trainer_is_built(degrees: dict[str, int], message: str) -> None:
-    """Before Lightning's launcher starts any process (the Trainer is built here, in this one)."""
+    """Before Lightning's launcher starts any process (the Trainer is built here, in this one); so does a global
+    batch that none of the degrees left splits into micro-batches a schedule takes (it failed on every rank)."""
     settings = {"cluster": "two_cluster_mixed", **degrees}
     devices = Topology.from_config(settings["cluster"]).world_size
     with pytest.raises(PlanError, match=message):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -533,6 +534,28 @@ def check_degrees(topology: Topology, options: PlanOptions) -> int | None:
     return wanted
 
 
+def check_batch(topology: Topology, options: PlanOptions, batch: BatchSettings) -> None:
+    """A PlanError where no DP degree that the request allows splits `batch` into micro-batches a schedule it allows
+    takes (the reasons per degree). It needs no model, so a launch checks it before any process starts."""
+    world, wanted = topology.world_size, check_degrees(topology, options)
+    if options.layout is LayoutKind.flat_fsdp:
+        degrees = [world]
+    elif wanted is not None:
+        degrees = [wanted]
+    elif options.layout is LayoutKind.holmes:
+        degrees = dp_degrees(topology)
+    else:
+        degrees = [d for d in range(1, world + 1) if world % d == 0]
+    schedules = MODELLED_SCHEDULES if options.schedule.chosen else (options.schedule,)
+    problems: list[str] = []
+    for dp, schedule in itertools.product(degrees, schedules):
+        pp = 1 if options.layout is LayoutKind.flat_fsdp else world // dp
+        if _batch_splits(pp, dp, batch, replace(options, schedule=schedule), problems):
+            return
+    reasons = "\n  ".join(dict.fromkeys(problems))
+    raise PlanError(f"no plan for {topology.name!r} splits global_batch={batch.global_batch}:\n  {reasons}")
+
+
 def _too_deep(pp: int, chunks: int, profile: ModelProfile) -> str | None:
     """Why `pp` stages of `chunks` chunks cannot each get a layer, or None."""
     if pp * chunks <= profile.num_layers:
@@ -563,6 +586,12 @@ def _microbatch_counts(
             f"pp={pp}; give {pp} counts (or set pp={len(options.partition)})"
         )
         return []
+    return _batch_splits(pp, dp, batch, options, problems)
+
+
+def _batch_splits(pp: int, dp: int, batch: BatchSettings, options: PlanOptions, problems: list[str]) -> list[int]:
+    """The micro-batch counts that split the global batch's share of each of `dp` replicas and that the schedule
+    takes on `pp` stages; reasons for none go to `problems`. Needs no model."""
     if batch.global_batch % dp:
         problems.append(f"global_batch={batch.global_batch} does not split over dp={dp} ranks; use a multiple of {dp}")
         return []

@@ -59,6 +59,7 @@ from holmes_lightning.planner import (
     Schedule,
     SettingError,
     Sharding,
+    check_batch,
     check_degrees,
 )
 from holmes_lightning.planner.options import choices
@@ -307,14 +308,17 @@ class HolmesStrategy(ModelParallelStrategy):
         super()._configure_launcher()
 
     def _check_degrees(self, configured: Topology | None) -> None:
-        """Requested pipeline or DP degrees that no layout of the configured cluster takes fail here, before any
-        process starts. Not checked: NIC kinds detected at start, an elastic job (the nodes that join may take other
-        degrees), and one stage (a module without the pipeline contract then runs FSDP over every rank)."""
+        """Requested pipeline or DP degrees that no layout of the configured cluster takes, and a global batch that
+        none of the degrees left splits into micro-batches, fail here, before any process starts. Not checked: NIC
+        kinds detected at start, an elastic job (the nodes that join may take other degrees), and one stage (a module
+        without the pipeline contract then runs FSDP over every rank)."""
         if configured is None or self.min_nodes is not None:
             return
         if self.options.pp == 1 or self.options.dp == configured.world_size:
             return
         check_degrees(configured, self.options)
+        if self.batch is not None:
+            check_batch(configured, self.options, self.batch)
 
     @property
     @override
