@@ -224,9 +224,7 @@ class Pipeline:
         `Plan.training_microbatches` splits it into (`runs_short`)."""
         samples, plan = inputs[0].shape[0], self.plan
         short = epoch_end and samples < plan.replica_batch
-        microbatches = plan.training_microbatches(samples) if short else None
-        if samples == plan.replica_batch:
-            microbatches = plan.microbatches
+        microbatches = plan.training_microbatches(samples) if short or samples == plan.replica_batch else None
         if microbatches is None:
             fix = (
                 f"an epoch's last batch must split into micro-batches of at most {plan.microbatch_size} samples that "
@@ -255,15 +253,12 @@ class Pipeline:
     def eval_step(self, inputs: Inputs, targets: torch.Tensor, *, keep_outputs: bool = False) -> StepResult:
         """Forward only, of any batch size (`_forward`)."""
         self._compare_first("evaluation", (*inputs, targets))
-        microbatches = self.plan.microbatch_counts(inputs[0].shape[0])[0]
-        self._weigh(targets, microbatches)
-        local, outputs = self._forward(inputs, targets, microbatches=microbatches, keep_outputs=keep_outputs)
+        local, outputs = self._forward(inputs, targets, keep_outputs=keep_outputs)
         return StepResult(shared_loss(local, self.plan.dp, self.device), outputs)
 
     def predict_step(self, inputs: Inputs) -> torch.Tensor | None:
         """Forward only, no loss: the last stage's outputs (None on the other stages)."""
-        microbatches = self.plan.microbatch_counts(inputs[0].shape[0])[0]
-        return self._forward(inputs, None, microbatches=microbatches, keep_outputs=True)[1]
+        return self._forward(inputs, None, keep_outputs=True)[1]
 
     def _compare_first(self, kind: str, batch: Sequence[torch.Tensor]) -> None:
         """On the first batch of a kind, that the pipeline's ranks all read it (`same_batch`)."""
@@ -272,10 +267,12 @@ class Pipeline:
         self._compared.add(kind)
 
     def _forward(
-        self, inputs: Inputs, targets: torch.Tensor | None, *, microbatches: int, keep_outputs: bool
+        self, inputs: Inputs, targets: torch.Tensor | None, *, keep_outputs: bool
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Forward only, in the first of `Plan.microbatch_counts` (the plan's micro-batches where they split the
         batch; else, e.g. for an epoch's short last batch, the fewest of at most the planned size)."""
+        microbatches = self.plan.microbatch_counts(inputs[0].shape[0])[0]
+        self._weigh(targets, microbatches)
         if self.plan.pp == 1:  # every virtual stage is here: run the chunks in order (torch's eval trips on this)
             result = self._run_locally(inputs, targets, microbatches=microbatches, keep_outputs=keep_outputs)
         else:
