@@ -304,10 +304,10 @@ class HolmesStrategy(ModelParallelStrategy):
             )
         spawned_here = not self.cluster_environment.creates_processes_externally
         self.cluster_environment.check_launch((self.num_processes, self.num_nodes) if spawned_here else None)
-        self._check_degrees(self.cluster_environment.configured)
+        self._check_request(self.cluster_environment.configured)
         super()._configure_launcher()
 
-    def _check_degrees(self, configured: Topology | None) -> None:
+    def _check_request(self, configured: Topology | None) -> None:
         """Requested pipeline or DP degrees that no layout of the configured cluster takes, and a global batch that
         none of the degrees left splits into micro-batches, fail here, before any process starts. Not checked: NIC
         kinds detected at start, an elastic job (the nodes that join may take other degrees), and one stage (a module
