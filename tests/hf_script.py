@@ -47,6 +47,22 @@ CONFIGS = {  # no dropout: one process and the pipeline then compute alike
     "gptj": lambda: tf.GPTJConfig(  # every layer looks its rotary sin/cos up by position id
         **GPT2_LIKE, rotary_dim=4, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0, bos_token_id=1, eos_token_id=2
     ),
+    "bloom": lambda: tf.BloomConfig(  # ALiBi biases from the padding mask in every layer, a norm of the embeddings
+        hidden_size=32, n_layer=3, n_head=4, vocab_size=VOCAB, hidden_dropout=0, attention_dropout=0, pad_token_id=0
+    ),
+    "opt": lambda: tf.OPTConfig(  # positions at position id + 2, tied
+        hidden_size=32,
+        ffn_dim=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        vocab_size=VOCAB,
+        word_embed_proj_dim=32,
+        max_position_embeddings=32,
+        dropout=0,
+        attention_dropout=0,
+        pad_token_id=0,
+    ),
+    "gpt_bigcode": lambda: tf.GPTBigCodeConfig(**GPT2_LIKE, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0),
 }
 
 

@@ -32,6 +32,18 @@ LLAMA_LIKE = dict(
     pad_token_id=0,
 )
 GEMMA_LIKE = dict(LLAMA_LIKE, head_dim=8, sliding_window=3)
+OPT_LIKE = dict(
+    hidden_size=32,
+    ffn_dim=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    vocab_size=VOCAB,
+    word_embed_proj_dim=32,
+    max_position_embeddings=32,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 # Windows shorter than the sequences, scalings far from 1: each family's own operations change the logits.
 TINY_CONFIGS: dict[str, Callable[[], tf.PretrainedConfig]] = {
     "gpt2": lambda: tf.GPT2Config(
@@ -65,7 +77,20 @@ TINY_CONFIGS: dict[str, Callable[[], tf.PretrainedConfig]] = {
     "codegen": lambda: tf.CodeGenConfig(
         n_embd=32, n_layer=3, n_head=4, rotary_dim=4, n_positions=32, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2
     ),
+    "opt": lambda: tf.OPTConfig(**OPT_LIKE),  # positions looked up at position id + 2
+    "opt-350m": lambda: tf.OPTConfig(  # embeddings narrower than the layers, no final norm (norms after each part)
+        **dict(OPT_LIKE, word_embed_proj_dim=16), do_layer_norm_before=False
+    ),
+    "bloom": lambda: tf.BloomConfig(  # ALiBi biases, a norm of the embeddings
+        hidden_size=32, n_layer=3, n_head=4, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0
+    ),
+    "gpt_bigcode": lambda: tf.GPTBigCodeConfig(  # multi-query attention; an unused causal-mask table is left out
+        n_embd=32, n_layer=3, n_head=4, n_positions=32, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2
+    ),
+    "biogpt": lambda: tf.BioGptConfig(**LLAMA_LIKE, max_position_embeddings=32),
 }
+TINY = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
+POSITIONS_FROM_MASK = {"opt", "opt-350m"}  # HF's OPT counts absent position ids from the attention mask
 
 
 @cache
@@ -115,6 +140,8 @@ def apply_layers(layers: list[nn.Module], batch: dict[str, torch.Tensor]) -> tor
 def test_layers_give_the_models_logits(family: str, batch: dict[str, torch.Tensor]) -> None:
     model = tiny_model(family)
     layers = hf_pipeline_layers(model)
+    if family in POSITIONS_FROM_MASK:  # the runtime's absent positions are 0..T-1 for every family
+        batch = {"position_ids": torch.arange(batch["input_ids"].size(1)).expand_as(batch["input_ids"]), **batch}
     with torch.no_grad():
         expected = model(**batch).logits
         logits = apply_layers(layers, batch)
@@ -187,20 +214,16 @@ def test_layers_train_the_models_parameters() -> None:
     [
         (nn.Linear(2, 2), "not a transformers PreTrainedModel"),
         (
-            tf.OPTForCausalLM(
-                tf.OPTConfig(
-                    hidden_size=16, word_embed_proj_dim=16, num_hidden_layers=1, ffn_dim=32, num_attention_heads=2
-                )
-            ),
-            "position embedding OPTLearnedPositionalEmbedding has its own forward",
+            tf.NanoChatForCausalLM(tf.NanoChatConfig(**TINY, intermediate_size=32)),
+            r"applied more than once \['norm'\]",  # before the decoder layers and after them
         ),
-        (
-            tf.BloomForCausalLM(tf.BloomConfig(hidden_size=16, n_layer=1, n_head=2)),
-            r"found norms \['word_embeddings_layernorm', 'ln_f'\]",
-        ),
+        (tf.CTRLLMHeadModel(tf.CTRLConfig(n_embd=16, dff=32, n_layer=1, n_head=2)), r"tensors \['pos_encoding'\]"),
+        (tf.MptForCausalLM(tf.MptConfig(d_model=16, n_layers=1, n_heads=2)), r"needs \['position_bias'\]"),
+        (tf.XGLMForCausalLM(tf.XGLMConfig(d_model=16, num_layers=1, attention_heads=2)), "no position_embeddings"),
+        (tf.FalconForCausalLM(tf.FalconConfig(**TINY, alibi=True)), "alibi=True"),
         (tf.GPT2Model(tf.GPT2Config(n_embd=16, n_layer=1, n_head=2)), "no LM head"),
     ],
-    ids=["not-hf", "opt", "bloom", "no-head"],
+    ids=["not-hf", "nanochat", "ctrl", "mpt", "xglm", "falcon-alibi", "no-head"],
 )
 def test_an_unrecognised_model_gets_an_error_naming_the_part(model: nn.Module, missing: str) -> None:
     with pytest.raises(UnrecognisedModelError, match=missing) as error:

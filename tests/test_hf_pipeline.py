@@ -33,6 +33,7 @@ CASES = [
     ("gemma", "1F1B", "right"),
     ("llama", "ZBVZeroBubble", "right"),  # V placement: the tied embedding and head both on the first stage
     ("gptj", "1F1B", "left"),  # position ids cross the stages: torch's shape inference runs stage 1 on them
+    ("bloom", "1F1B", "left"),  # every stage builds ALiBi biases from the padding mask it is passed
 ]
 PRETRAINED = ("llama", "GPipe", "right")  # the same launch, built from a saved directory: each rank loads its stage
 ENV_SECONDS = {"HOLMES_CALIBRATION_SECONDS": "0.05", "OMP_NUM_THREADS": "1"}

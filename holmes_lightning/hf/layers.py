@@ -25,35 +25,50 @@ MASKS: dict[str, Callable[..., torch.Tensor | None]] = {
 
 
 class HFEmbedding(nn.Module):
-    """Token embedding (+ learned position embedding) (x embedding multiplier) (+ dropout), as the HF model applies."""
+    """Token embedding (-> projection to the hidden width) (+ learned position embedding) (x embedding multiplier)
+    (-> norm) (+ dropout), as the HF model applies them.
+
+    A position embedding with an integer `offset` (OPT's) is indexed by position id + offset.
+    """
 
     def __init__(
         self,
         tokens: nn.Module,
-        positions: nn.Embedding | None,
-        dropout: nn.Dropout | None,
-        multiplier: float | None,
+        *,
+        project_in: nn.Module | None = None,
+        positions: nn.Embedding | None = None,
+        multiplier: float | None = None,
+        norm: nn.Module | None = None,
+        dropout: nn.Dropout | None = None,
     ) -> None:
         super().__init__()
         self.tokens = tokens
+        self.project_in = project_in  # OPT-350m: embeddings narrower than the hidden states
         self.positions = positions
-        self.dropout = dropout
+        self.position_offset = getattr(positions, "offset", 0)
         self.multiplier = multiplier
+        self.norm = norm  # BLOOM: a norm of the embeddings
+        self.dropout = dropout
         self.hf_keys: dict[str, tuple[str, ...]] = {}
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> Hidden:
         hidden_states = self.tokens(input_ids)
+        if self.project_in is not None:
+            hidden_states = self.project_in(hidden_states)
         if self.positions is not None:
-            hidden_states = hidden_states + self.positions(position_ids)
+            hidden_states = hidden_states + nn.Embedding.forward(self.positions, position_ids + self.position_offset)
         if self.multiplier is not None:
             hidden_states = hidden_states * self.multiplier
+        if self.norm is not None:
+            hidden_states = self.norm(hidden_states)
         if self.dropout is not None:
             hidden_states = self.dropout(hidden_states)
         return hidden_states, attention_mask, position_ids
 
 
 class HFDecoderLayer(nn.Module):
-    """One HF decoder layer, given the 4-D mask of its `layer_type` and, where the family has one, rotary cos/sin.
+    """One HF decoder layer, given the 4-D mask of its `layer_type` and, where the family has them, rotary cos/sin or
+    ALiBi biases (`alibi(attention_mask, num_heads, dtype)`, its modeling module's `build_alibi_tensor`).
 
     A 2-D mask of all ones is passed to the mask helper as no mask: the runtime fills an absent mask with ones, and
     HF then also detects packed sequences from position ids that restart. On the meta device (profiling a model too
@@ -67,6 +82,7 @@ class HFDecoderLayer(nn.Module):
         layer_type: str,
         rotary: nn.Module | None,
         rotary_by_type: bool,
+        alibi: Callable[[torch.Tensor, int, torch.dtype], torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
         self.block = block
@@ -74,6 +90,7 @@ class HFDecoderLayer(nn.Module):
         self.config = config
         self.layer_type = layer_type
         self.rotary_by_type = rotary_by_type  # the rotary module takes the layer type (Gemma3: local and global rope)
+        self.alibi = alibi
         self.hf_keys: dict[str, tuple[str, ...]] = {}
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> Hidden:
@@ -82,6 +99,8 @@ class HFDecoderLayer(nn.Module):
         if self.rotary is not None:
             by_type = (self.layer_type,) if self.rotary_by_type else ()
             extra["position_embeddings"] = self.rotary(hidden_states, position_ids, *by_type)
+        if self.alibi is not None:
+            extra["alibi"] = self.alibi(attention_mask, self.config.num_attention_heads, hidden_states.dtype)
         out = self.block(hidden_states, attention_mask=mask, position_ids=position_ids, **extra)
         return (out[0] if isinstance(out, tuple) else out), attention_mask, position_ids
 
@@ -99,19 +118,22 @@ class HFDecoderLayer(nn.Module):
 
 
 class HFHead(nn.Module):
-    """Final norm, LM head, then the family's logit scaling and soft-capping: hidden states -> logits (B, T, V)."""
+    """Final norm (-> projection to the embedding width), LM head, then the family's logit scaling and soft-capping:
+    hidden states -> logits (B, T, V)."""
 
     def __init__(
         self,
-        norm: nn.Module,
+        norm: nn.Module | None,
         lm_head: nn.Module,
         *,
+        project_out: nn.Module | None = None,
         logit_scale: float | None,
         logits_divisor: float | None,
         softcap: float | None,
     ) -> None:
         super().__init__()
-        self.norm = norm
+        self.norm = norm  # None: OPT-350m, whose layers normalise after themselves
+        self.project_out = project_out
         self.lm_head = lm_head
         self.logit_scale = logit_scale  # Cohere: logits * logit_scale
         self.logits_divisor = logits_divisor  # Granite: logits / logits_scaling
@@ -121,7 +143,11 @@ class HFHead(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
     ) -> torch.Tensor:
-        logits = self.lm_head(self.norm(hidden_states))
+        if self.norm is not None:
+            hidden_states = self.norm(hidden_states)
+        if self.project_out is not None:
+            hidden_states = self.project_out(hidden_states)
+        logits = self.lm_head(hidden_states)
         if self.logit_scale is not None:
             logits = logits * self.logit_scale
         if self.logits_divisor is not None:
