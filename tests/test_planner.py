@@ -565,3 +565,59 @@ def test_the_batch_check_before_launch_never_refuses_a_job_the_planner_plans(
     except PlanError:
         return
     check_batch(topology, options, batch)
+
+
+def activation(after: LayerProfile) -> LayerProfile:
+    """A parameterless layer (an activation) after `after`: elementwise compute, its output as big as its input."""
+    size = after.activation_bytes
+    return LayerProfile(f"act_after_{after.name}", size, 2 * size, 0.0, size, size)
+
+
+def mlp_with_activations(blocks: int, width: int) -> ModelProfile:
+    """Linear, activation, ..., Linear: an nn.Sequential as users write one, its activations layers of their own."""
+    layers: list[LayerProfile] = []
+    for i in range(blocks):
+        linear = LayerProfile(f"linear{i}", 2.0 * width**2, 4.0 * width**2, 4.0 * width**2, 4.0 * width, 4.0 * width)
+        layers += [linear, activation(linear)]
+    layers.append(LayerProfile("out", 20.0 * width, 40.0 * width, 40.0 * width, 40.0, 40.0))
+    return ModelProfile("mlp", tuple(layers), tokens_per_sample=1)
+
+
+def check_every_stage_holds_parameters(plan: Plan, profile: ModelProfile) -> None:
+    """The chunks cover the model's own layers once, in order, and every stage's ranks hold some parameters."""
+    assert plan.num_layers == profile.num_layers
+    ranges = sorted(chunk for stage in plan.stages for chunk in stage.chunks)
+    assert [start for start, _ in ranges] == [0, *(stop for _, stop in ranges[:-1])]
+    assert ranges[-1][1] == profile.num_layers
+    for stage in plan.stages:
+        assert any(profile.layers[layer].param_bytes for layer in stage.layers), (stage.index, stage.chunks)
+
+
+def test_a_plan_never_leaves_a_stage_only_parameterless_layers() -> None:
+    """Without them the cost model puts an activation alone on a stage here (pp=4: [[0, 1], [2], [3], [4]]): a
+    stage with nothing to sync or update costs little, but its ranks' optimizer would hold no parameters."""
+    profile = mlp_with_activations(blocks=2, width=1024)
+    plan = best_plan(Topology.from_config("two_cluster_mixed"), profile, BatchSettings(global_batch=32))
+    check_every_stage_holds_parameters(plan, profile)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    topology=topologies(),
+    after=st.lists(st.integers(0, 2), min_size=GPT_SMALL.num_layers, max_size=GPT_SMALL.num_layers),
+    schedule=st.sampled_from(["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"]),
+)
+def test_parameterless_layers_anywhere_never_make_a_stage_of_their_own(topology, after, schedule) -> None:
+    """Activations drawn after GPT_SMALL's layers (0-2 after each): every plan's stages each hold parameters, and
+    the planner refuses the model only where it refuses GPT_SMALL alone (the layers stages may start at)."""
+    pairs = zip(GPT_SMALL.layers, after, strict=True)
+    layers = [item for layer, n in pairs for item in (layer, *[activation(layer)] * n)]
+    profile = ModelProfile("gpt_small_with_activations", tuple(layers), GPT_SMALL.tokens_per_sample)
+    batch, options = BatchSettings(4 * topology.world_size), PlanOptions(schedule=schedule)
+    try:
+        plan = best_plan(topology, profile, batch, options=options)
+    except PlanError:
+        with pytest.raises(PlanError):
+            best_plan(topology, GPT_SMALL, batch, options=options)
+        return
+    check_every_stage_holds_parameters(plan, profile)

@@ -12,6 +12,7 @@ from holmes_lightning.planner.bounds import SuffixBounds
 from holmes_lightning.planner.candidate import GB, Candidate, RangeCosts, predict_step
 from holmes_lightning.planner.cost import CostModel, MachineCosts, sync_bytes
 from holmes_lightning.planner.cuts import CriticalPaths
+from holmes_lightning.planner.glue import JoinedProfile
 from holmes_lightning.planner.layout import (
     Layout,
     StageHardware,
@@ -77,9 +78,13 @@ def best_plan(
     Candidates are every layout (NIC group order and DP size), micro-batch count and sharding the options allow;
     `search.search` finds the best split of each that could beat the best so far. Ties go to FSDP, then fewer DP
     ranks, config order, fewer micro-batches. Of the plans predicted within `STEP_TOLERANCE` of the fastest, the one
-    taking the least memory per device wins (`_least_memory`).
+    taking the least memory per device wins (`_least_memory`). With `partition=auto`, stages start only at layers
+    with parameters (`glue.JoinedProfile`).
     """
     options = options or PlanOptions()
+    joined = JoinedProfile.of(profile) if options.partition is PartitionRule.auto else None
+    if joined is not None:  # no stage may hold only parameterless layers
+        return joined.expand(best_plan(topology, joined.profile, batch, options=options, costs=costs, stats=stats))
     costs = costs or MachineCosts()
     _check_partition(profile, options)
     stats = stats if stats is not None else SearchStats()
