@@ -21,7 +21,7 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import CLASSES, FEATURES, LossRecorder, TinyMLP, run_ranks, tiny_dataset, tiny_loader
+from distributed import CLASSES, FEATURES, WIDTHS, LossRecorder, TinyMLP, run_ranks, tiny_dataset, tiny_loader
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
@@ -520,6 +520,41 @@ def test_a_stage_without_parameters_is_refused_before_its_optimizer() -> None:
     assert all(message == refused[0] for message in refused)
     assert refused[0].startswith("the plan's stage 0 (ranks [0, 1]) holds only pipeline layers without parameters")
     assert "(0:Tanh)" in refused[0] and "partition=" in refused[0]
+
+
+class BatchNormMLP(TinyMLP):
+    """TinyMLP normalising its first layer's output over the batch, profiled on one sample of its DataLoader."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers[0].append(nn.BatchNorm1d(WIDTHS[1]))  # after the activation: no bias just before it, whose
+        # gradient BatchNorm makes ~0 and AdamW then steps by the float noise
+        self.example_input_array = None
+
+
+def batch_norm_stages() -> list[float]:
+    """Rank side: BatchNormMLP over pp=4 stages in one micro-batch (each step's batch statistics are one process's)."""
+    L.seed_everything(SEED)
+    strategy = HolmesStrategy(
+        cluster="two_cluster_mixed", pp=4, schedule="GPipe", global_batch=GLOBAL_BATCH, microbatches=1, timeout=60
+    )
+    validation = DataLoader(tiny_dataset(2 * GLOBAL_BATCH), batch_size=GLOBAL_BATCH)
+    loader = tiny_loader(STEPS_PER_EPOCH * GLOBAL_BATCH, GLOBAL_BATCH)
+    return _fit(BatchNormMLP(), strategy, STEPS_PER_EPOCH, loader, val_loader=validation)
+
+
+@pytest.mark.slow
+def test_batch_norm_trains_and_keeps_its_running_statistics_as_in_one_process() -> None:
+    """Profiling and calibration run the layers on one sample (BatchNorm refused it in training: "Expected more than 1
+    value per channel") and must leave the running statistics as they were: the val_loss, which reads them, is one
+    process's."""
+    ranks = run_ranks("test_strategy:batch_norm_stages", timeout_s=180, env=QUICK)
+    L.seed_everything(SEED)
+    validation = DataLoader(tiny_dataset(2 * GLOBAL_BATCH), batch_size=GLOBAL_BATCH)
+    loader = tiny_loader(STEPS_PER_EPOCH * GLOBAL_BATCH, GLOBAL_BATCH, single_process_seed=SEED)
+    reference = _fit(BatchNormMLP(), "auto", STEPS_PER_EPOCH, loader, val_loader=validation)
+    for losses in ranks:
+        assert losses == pytest.approx(reference, rel=1e-5)
 
 
 class Float32LossMLP(TinyMLP):

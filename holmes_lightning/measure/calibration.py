@@ -3,7 +3,7 @@
 In one process, alone (HolmesStrategy's rank 0 at job start, or the benchmark before its runs), on one copy of each
 distinct pipeline layer (a layer on the meta device gets a full copy on the device, one at a time):
 
-- forward + backward at 1 sample and at the first of 4, 8, ... samples that takes `SLOPE_RATIO` x as long (a small
+- forward + backward at 2 samples and at the first of 8, 16, ... that takes `SLOPE_RATIO` x as long (a small
   layer's time per sample hides in the noise of its fixed cost otherwise): the slope is the time per sample (the
   profile's FLOPs over it: the device's FLOP/s on this model), what is left at zero samples the fixed cost of a pass;
 - the same under FSDP2 on a group of one rank, the weights kept gathered with no gradient sync (a pipeline's
@@ -58,8 +58,9 @@ from holmes_lightning.measure.layer_io import (
 )
 from holmes_lightning.planner import MachineCosts, ModelProfile
 
-FIT_SAMPLES = (1, 4)  # forward + backward is timed at 1 sample and at 4 or, for a small layer, a multiple of it
-SLOPE_RATIO = 1.5  # the larger count's pass takes at least this x the 1-sample one's, so its slope is measurable
+# forward + backward is timed at 2 samples (BatchNorm trains on no fewer) and at 8 or, for a small layer, a multiple
+FIT_SAMPLES = (2, 8)
+SLOPE_RATIO = 1.5  # the larger count's pass takes at least this x the smaller one's, so its slope is measurable
 MAX_SLOPE_BYTES = 64 * 2**20  # the larger count's output stays below this (doubling stops at it)
 LAYER_SECONDS = 1.5  # each distinct layer is timed this long: the machine's speed drifts over seconds
 MIN_ROUNDS = 3  # and at least this many rounds after a warm-up one
@@ -349,7 +350,7 @@ def _time_layer(
     layer: nn.Module, x: Flow, *, mesh: DeviceMesh, device: torch.device, seconds: float, precision: str
 ) -> tuple[_LayerTimes, Flow]:
     """One layer's times (medians of rounds over `seconds`, every kind of pass in each), and its output on one sample
-    (the next layer's input)."""
+    (the next layer's input; computed on `FIT_SAMPLES[0]` copies of it)."""
     held, computed = PRECISIONS[precision]
     plain, kept, resharded = (_copy_on(layer, device, held) for _ in range(3))
     policy = MixedPrecisionPolicy(computed, torch.float32) if computed is torch.bfloat16 else MixedPrecisionPolicy()
@@ -379,7 +380,7 @@ def _time_layer(
     median = {name: statistics.median(values[1:]) for name, values in runs.items()}
     per_sample = max(median["many"] - median["few"], 0.0) / (many - few)
     with torch.no_grad(), autocast:
-        out = apply(plain, x)
+        out = samples(apply(plain, inputs[few]), 1)
     return (
         _LayerTimes(
             per_sample_s=per_sample,
@@ -396,16 +397,17 @@ def _time_layer(
 
 
 def _slope_samples(net: nn.Module, x: Flow, device: torch.device) -> int:
-    """The sample count to time beside 1 sample: `FIT_SAMPLES[1]`, doubled while its pass takes less than
-    `SLOPE_RATIO` x the 1-sample pass's and its output stays under `MAX_SLOPE_BYTES`."""
+    """The sample count to time beside `FIT_SAMPLES[0]`: `FIT_SAMPLES[1]`, doubled while its pass takes less than
+    `SLOPE_RATIO` x the smaller count's and its output stays under `MAX_SLOPE_BYTES`."""
 
     def fastest_s(samples: int) -> float:
         return min(_pass_s(net, repeated(x, samples), device) for _ in range(3))
 
+    few = FIT_SAMPLES[0]
     with torch.no_grad():
-        sample_bytes = nbytes(apply(net, x))
-    one_s, many = fastest_s(1), FIT_SAMPLES[1]
-    while 2 * many * sample_bytes <= MAX_SLOPE_BYTES and fastest_s(many) < SLOPE_RATIO * one_s:
+        sample_bytes = nbytes(apply(net, repeated(x, few))) / few
+    few_s, many = fastest_s(few), FIT_SAMPLES[1]
+    while 2 * many * sample_bytes <= MAX_SLOPE_BYTES and fastest_s(many) < SLOPE_RATIO * few_s:
         many *= 2
     return many
 

@@ -3,7 +3,8 @@ padding mask and position ids), samples first. A layer is called with the previo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -72,3 +73,17 @@ def moved(flow: Flow, device: torch.device | str) -> Flow:
 def shapes(flow: Flow) -> Sequence[list]:
     """Per tensor: its shape per sample and dtype (what a layer's cost depends on besides the layer)."""
     return [[list(t.shape[1:]), str(t.dtype)] for t in as_tuple(flow)]
+
+
+@contextmanager
+def buffers_kept(modules: Sequence[nn.Module]) -> Iterator[None]:
+    """Every buffer of `modules` on exit as it was on entry: forwards run only to measure them (or, in torch's
+    pipelining, to infer their shapes on empty tensors) leave running statistics (BatchNorm's) as they were."""
+    kept = [(b, b.clone()) for module in modules for b in module.buffers() if not b.is_meta]
+    try:
+        yield
+    finally:
+        with torch.no_grad():  # only those the forwards changed: one saved for a backward must keep its version
+            for buffer, value in kept:
+                if not torch.equal(buffer, value):
+                    buffer.copy_(value)

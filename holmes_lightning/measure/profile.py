@@ -26,10 +26,12 @@ from holmes_lightning.measure.layer_io import (
     apply,
     as_tuple,
     backward,
+    buffers_kept,
     detached,
     input_gradients,
     moved,
     nbytes,
+    repeated,
 )
 from holmes_lightning.planner.profile import LayerProfile, ModelProfile
 
@@ -62,7 +64,16 @@ def measure_layers(modules: list[nn.Module], sample: Flow, time_repeats: int = 0
     if on_meta:
         sample, time_repeats = moved(sample, "meta"), 0
     first = as_tuple(sample)[0]
-    batch, tokens = first.shape[0], first[0].numel()
+    if first.shape[0] == 1:  # a layer normalising over the batch (BatchNorm) trains on more than one value a channel
+        sample = repeated(sample, 2)
+    with buffers_kept(modules):  # the forwards here leave running statistics (BatchNorm's) as they were
+        layers = _measured(modules, sample, on_meta, time_repeats)
+    return layers, first[0].numel()
+
+
+def _measured(modules: list[nn.Module], sample: Flow, on_meta: bool, time_repeats: int) -> list[LayerProfile]:
+    """`measure_layers`' profiles, per sample of the batch `sample`."""
+    batch = as_tuple(sample)[0].shape[0]
     layers = []
     x = sample
     for index, module in enumerate(modules):
@@ -96,7 +107,7 @@ def measure_layers(modules: list[nn.Module], sample: Flow, time_repeats: int = 0
             )
         )
         x = detached(out)
-    return layers, tokens
+    return layers
 
 
 def _count(module: nn.Module, inputs: Flow, *, on_meta: bool) -> tuple[float, float, float, float, Flow]:

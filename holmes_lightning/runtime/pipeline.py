@@ -14,6 +14,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle, get_schedule_class
 
+from holmes_lightning.measure.layer_io import buffers_kept
 from holmes_lightning.planner import Plan
 from holmes_lightning.planner.schedules import microbatch_problem
 from holmes_lightning.runtime.contract import Inputs, LossWeight
@@ -80,6 +81,12 @@ class HopStage(PipelineStage):
         if isinstance(arg, torch.Tensor) or tensor.is_floating_point() or tensor.is_complex():
             return tensor
         return tensor.zero_()
+
+    def _forward_metadata_inference(self, *args: object, **kwargs: object) -> object:
+        """Torch's shape inference, which runs the forward in training mode on empty tensors: without the running
+        statistics (BatchNorm's) it would leave updated from them."""
+        with buffers_kept([self.submod]):
+            return super()._forward_metadata_inference(*args, **kwargs)
 
     def _on_hop_groups(self, ops: list[dist.P2POp]) -> list[dist.P2POp]:
         return [
