@@ -61,17 +61,13 @@ def hf_pipeline_layers(hf_model: nn.Module) -> list[nn.Module]:
     positions = _pop_all(children, lambda c: isinstance(c, nn.Embedding))
     dropouts = _pop_all(children, lambda c: isinstance(c, nn.Dropout))
     embedding_norm, final_norm = _norms(name, decoder, children, blocks_key)
-    if (
-        final_norm is None
-        and "project_out" not in projections
-        or any(len(found) > 1 for found in (rotaries, positions, dropouts))
-    ):
-        found = ", ".join(f"{n} ({type(c).__name__})" for n, c in decoder.named_children())
+    no_final_norm = final_norm is None and "project_out" not in projections  # OPT-350m ends in its projection
+    if no_final_norm or any(len(found) > 1 for found in (rotaries, positions, dropouts)):
         raise UnrecognisedModelError(
-            f"{name}: expected in its decoder ({type(decoder).__name__}: {found}) exactly one final norm besides the "
-            f"token embedding and decoder layers, and at most one rotary module, position embedding and dropout; "
-            f"found no final norm, rotary modules {list(rotaries) or 'none'}, position embeddings "
-            f"{list(positions) or 'none'}, dropouts {list(dropouts) or 'none'}; {HAND_WRITTEN}"
+            f"{name}: expected in its decoder {_listed(decoder)} a final norm besides the token embedding and decoder "
+            f"layers, and at most one rotary module, position embedding and dropout; found "
+            f"{'no' if no_final_norm else 'a'} final norm, rotary modules {list(rotaries) or 'none'}, position "
+            f"embeddings {list(positions) or 'none'}, dropouts {list(dropouts) or 'none'}; {HAND_WRITTEN}"
         )
     position = next(iter(positions.values()), None)
     rotary = next(iter(rotaries.values()), None)
@@ -143,9 +139,8 @@ def _norms(
     twice = [n for n in holders if source.count(f"self.{n}(") > 1]
     unlike = [n for n, c in holders.items() if not _takes_one_input(c)]
     if len(before) > 1 or len(after) > 1 or twice or unlike:
-        found = ", ".join(f"{n} ({type(c).__name__})" for n, c in decoder.named_children())
         raise UnrecognisedModelError(
-            f"{name}: expected in its decoder ({type(decoder).__name__}: {found}) at most one norm applied before "
+            f"{name}: expected in its decoder {_listed(decoder)} at most one norm applied before "
             f"its decoder layers and one after them, each once; found norms before {before or 'none'}, after "
             f"{after or 'none'}, applied more than once {twice or 'none'}, taking more than one input "
             f"{unlike or 'none'}; {HAND_WRITTEN}"
@@ -157,6 +152,12 @@ def _takes_one_input(module: nn.Module) -> bool:
     """Whether the module's forward has exactly one required argument, as a norm's."""
     parameters = inspect.signature(module.forward).parameters.values()
     return sum(p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters) == 1
+
+
+def _listed(decoder: nn.Module) -> str:
+    """The decoder's class and children, for an error: `(LlamaModel: embed_tokens (Embedding), ...)`."""
+    children = ", ".join(f"{n} ({type(c).__name__})" for n, c in decoder.named_children())
+    return f"({type(decoder).__name__}: {children})"
 
 
 def _forward_source(module: nn.Module) -> str:
