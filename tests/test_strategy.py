@@ -527,7 +527,7 @@ class BatchNormMLP(TinyMLP):
 
     def __init__(self) -> None:
         super().__init__()
-        self.layers[0].append(nn.BatchNorm1d(WIDTHS[1]))  # after the activation: no bias just before it, whose
+        self.layers[2].append(nn.BatchNorm1d(WIDTHS[3]))  # after the activation: no bias just before it, whose
         # gradient BatchNorm makes ~0 and AdamW then steps by the float noise
         self.example_input_array = None
 

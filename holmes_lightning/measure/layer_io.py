@@ -75,15 +75,29 @@ def shapes(flow: Flow) -> Sequence[list]:
     return [[list(t.shape[1:]), str(t.dtype)] for t in as_tuple(flow)]
 
 
+Kept = list[tuple[torch.Tensor, torch.Tensor]]  # buffers and copies of their values
+
+
+def buffer_values(modules: Sequence[nn.Module]) -> Kept:
+    """Every buffer of `modules` with a copy of its value, for `restore_buffers`."""
+    return [(b, b.clone()) for module in modules for b in module.buffers() if not b.is_meta]
+
+
+def restore_buffers(kept: Kept) -> None:
+    """Set the buffers back to the values kept. Forwards run only to measure layers (or, in torch's pipelining, to
+    infer shapes on empty tensors) then leave running statistics (BatchNorm's) as they were. Only those that changed
+    are written: one an autograd graph still holds must keep its version."""
+    with torch.no_grad():
+        for buffer, value in kept:
+            if not torch.equal(buffer, value):
+                buffer.copy_(value)
+
+
 @contextmanager
 def buffers_kept(modules: Sequence[nn.Module]) -> Iterator[None]:
-    """Every buffer of `modules` on exit as it was on entry: forwards run only to measure them (or, in torch's
-    pipelining, to infer their shapes on empty tensors) leave running statistics (BatchNorm's) as they were."""
-    kept = [(b, b.clone()) for module in modules for b in module.buffers() if not b.is_meta]
+    """`restore_buffers` on exit for the buffers of `modules` on entry."""
+    kept = buffer_values(modules)
     try:
         yield
     finally:
-        with torch.no_grad():  # only those the forwards changed: one saved for a backward must keep its version
-            for buffer, value in kept:
-                if not torch.equal(buffer, value):
-                    buffer.copy_(value)
+        restore_buffers(kept)

@@ -14,7 +14,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle, get_schedule_class
 
-from holmes_lightning.measure.layer_io import buffers_kept
+from holmes_lightning.measure.layer_io import Kept, buffer_values, restore_buffers
 from holmes_lightning.planner import Plan
 from holmes_lightning.planner.schedules import microbatch_problem
 from holmes_lightning.runtime.contract import Inputs, LossWeight
@@ -72,6 +72,7 @@ class HopStage(PipelineStage):
     ) -> None:
         super().__init__(chunk, index, num_stages, device, group=group)
         self.hop_groups = hop_groups
+        self.kept_buffers: Kept = []  # during torch's metadata inference
 
     def _to_tensor(self, arg: object) -> torch.Tensor:
         """Metadata inference runs this stage's forward on empty tensors of the shapes it received (torch 2.13): the
@@ -83,10 +84,16 @@ class HopStage(PipelineStage):
         return tensor.zero_()
 
     def _forward_metadata_inference(self, *args: object, **kwargs: object) -> object:
-        """Torch's shape inference, which runs the forward in training mode on empty tensors: without the running
-        statistics (BatchNorm's) it would leave updated from them."""
-        with buffers_kept([self.submod]):
-            return super()._forward_metadata_inference(*args, **kwargs)
+        """Torch's shape inference runs the forward (and backward) in training mode on empty tensors: the buffers
+        are kept before it and set back after it (`_post_metadata_inference_cleanup`), so that running statistics
+        (BatchNorm's) are not updated from what the memory held."""
+        self.kept_buffers = buffer_values([self.submod])
+        return super()._forward_metadata_inference(*args, **kwargs)
+
+    def _post_metadata_inference_cleanup(self) -> None:
+        super()._post_metadata_inference_cleanup()
+        restore_buffers(self.kept_buffers)
+        self.kept_buffers = []
 
     def _on_hop_groups(self, ops: list[dist.P2POp]) -> list[dist.P2POp]:
         return [
