@@ -145,11 +145,11 @@ class Plan:
         counts = [count for count in range(fewest, samples + 1) if samples % count == 0]
         return [self.microbatches, *counts] if samples % self.microbatches == 0 else counts
 
-    def training_microbatches(self, samples: int) -> int | None:
-        """The micro-batches a training batch of `samples` per replica runs in (`microbatch_counts`, the first the
-        schedule takes: 1F1B wants at least pp, ...); None where none splits it."""
+    def training_microbatches(self, samples: int) -> int:
+        """The micro-batches a training batch of `samples` per replica runs in: the first of `microbatch_counts` the
+        schedule takes (1F1B wants at least pp, ...), else the first (run by a schedule that takes any count)."""
         counts = self.microbatch_counts(samples)
-        return next((count for count in counts if microbatch_problem(self.schedule, self.pp, count) is None), None)
+        return next((count for count in counts if microbatch_problem(self.schedule, self.pp, count) is None), counts[0])
 
     @property
     def is_fsdp(self) -> bool:

@@ -24,7 +24,7 @@ from holmes_lightning.runtime.ties import TiedCopies
 T = TypeVar("T")
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # a forward-only schedule that takes any micro-batch count, by (V placement, several chunks per stage)
-_FORWARD_ONLY = {(False, False): "GPipe", (False, True): "LoopedBFS", (True, True): "ZBVZeroBubble"}
+_ANY_COUNT = {(False, False): "GPipe", (False, True): "LoopedBFS", (True, True): "ZBVZeroBubble"}
 _SCHEDULES_KEPT = 8  # a schedule holds receive buffers of its micro-batches' activations (and gradients)
 
 
@@ -183,9 +183,9 @@ class Pipeline:
         return next(stage for stage in range(self.plan.pp) if self.plan.holds_last(stage))
 
     def _schedule(self, inputs: Inputs, *, microbatches: int, with_loss: bool, backward: bool) -> BuiltSchedule:
-        """The schedule for batches of these shapes in `microbatches`: the plan's, or for a forward that it would
-        refuse that count (1F1B under pp micro-batches, ...) the one of the same stage placement that takes any
-        (`_FORWARD_ONLY`). Stage buffers are sized by the first micro-batch a schedule sees, so each shape (padding to
+        """The schedule for batches of these shapes in `microbatches`: the plan's, or where it would refuse that count
+        (1F1B under pp micro-batches, ...: an epoch's short last batch) the one of the same stage placement that takes
+        any (`_ANY_COUNT`). Stage buffers are sized by the first micro-batch a schedule sees, so each shape (padding to
         the longest sequence of a batch makes many) gets its own; the `_SCHEDULES_KEPT` used last are kept."""
         key = (backward, with_loss, microbatches, *(tuple(t.shape) for t in inputs))
         if key not in self._schedules:
@@ -199,8 +199,8 @@ class Pipeline:
 
     def _new_schedule(self, microbatches: int, *, with_loss: bool, backward: bool) -> BuiltSchedule:
         name = self.plan.schedule.value
-        if not backward and microbatch_problem(self.plan.schedule, self.plan.pp, microbatches) is not None:
-            name = _FORWARD_ONLY[self.plan.schedule.v_shaped, self.plan.chunks_per_stage > 1]
+        if microbatch_problem(self.plan.schedule, self.plan.pp, microbatches) is not None:
+            name = _ANY_COUNT[self.plan.schedule.v_shaped, self.plan.chunks_per_stage > 1]
         schedule_class = get_schedule_class(name)
         virtual = self.plan.virtual_stages(self.stage)
         stages = [
@@ -235,20 +235,15 @@ class Pipeline:
     ) -> StepResult:
         """Forward and backward of one replica batch; gradients land in the stage's parameters. A shorter batch at
         an epoch's end (`epoch_end`: a DataLoader that keeps its last, partial batch) runs in the micro-batches that
-        `Plan.training_microbatches` splits it into (`runs_short`)."""
+        `Plan.training_microbatches` splits it into."""
         samples, plan = inputs[0].shape[0], self.plan
-        short = epoch_end and samples < plan.replica_batch
-        microbatches = plan.training_microbatches(samples) if short or samples == plan.replica_batch else None
-        if microbatches is None:
-            fix = (
-                f"an epoch's last batch must split into micro-batches of at most {plan.microbatch_size} samples that "
-                f"{plan.schedule.value} takes on {plan.pp} stages; give the train DataLoader drop_last=True"
-                if short
-                else f"the plan needs {plan.microbatches} micro-batches x {plan.microbatch_size} = "
-                f"{plan.replica_batch}; give the train DataLoader batch_size=strategy.replica_batch_size (global "
-                f"batch / dp)"
+        if samples != plan.replica_batch and not (epoch_end and samples < plan.replica_batch):
+            raise ValueError(
+                f"a training batch has {samples} samples per DP replica: the plan needs {plan.microbatches} "
+                f"micro-batches x {plan.microbatch_size} = {plan.replica_batch}; give the train DataLoader "
+                f"batch_size=strategy.replica_batch_size (global batch / dp)"
             )
-            raise ValueError(f"a training batch has {samples} samples per DP replica: {fix}")
+        microbatches = plan.training_microbatches(samples)
         self._compare_first("training", (*inputs, targets))
         for module in self.fsdp_modules:  # every stage gathers now, not when its first micro-batch arrives
             module.unshard(async_op=True)  # FSDP's pre-forward waits for it
@@ -258,11 +253,6 @@ class Pipeline:
         for sync in self.gradient_syncs:
             sync()
         return StepResult(shared_loss(local, self.plan.dp, self.device), outputs)
-
-    def runs_short(self, samples: int) -> bool:
-        """Whether an epoch's last training batch of `samples`, shorter than the plan's, splits into micro-batches the
-        schedule takes (else its DataLoader should drop it)."""
-        return self.plan.training_microbatches(samples) is not None
 
     def eval_step(self, inputs: Inputs, targets: torch.Tensor, *, keep_outputs: bool = False) -> StepResult:
         """Forward only, of any batch size (`_forward`)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
-from collections.abc import Callable, Iterator, Mapping, Sized
+from collections.abc import Iterator, Mapping
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.types import _Stateful
@@ -95,13 +95,9 @@ class ResumableSampler(Sampler[int]):
         return samples // self.batch_size if self.drop_last else -(-samples // self.batch_size)
 
 
-def resumable(dataloader: object, trainer: pl.Trainer, runs: Callable[[int], bool] | None = None) -> object:
+def resumable(dataloader: object, trainer: pl.Trainer) -> object:
     """The training DataLoader with a `ResumableSampler`, whose state Lightning keeps with its loops; other iterables,
-    iterable datasets and loaders that keep their own state as they are.
-
-    `runs`: whether a batch of that many samples can train (a pipeline's micro-batches must split it); an epoch's
-    short last batch that cannot is dropped, as `drop_last=True` does, with a warning.
-    """
+    iterable datasets and loaders that keep their own state as they are."""
     if (
         not isinstance(dataloader, DataLoader)
         or isinstance(dataloader, _Stateful)
@@ -111,18 +107,10 @@ def resumable(dataloader: object, trainer: pl.Trainer, runs: Callable[[int], boo
     ):
         return dataloader
     batches, progress = dataloader.batch_sampler, trainer.fit_loop.epoch_loop.batch_progress
-    short = len(dataloader.sampler) % batches.batch_size if isinstance(dataloader.sampler, Sized) else 0
-    drop_last = batches.drop_last or bool(short and runs is not None and not runs(short))
-    if drop_last and not batches.drop_last:
-        rank_zero_warn(
-            f"holmes: each epoch's last training batch would hold {short} samples per DP replica, which the "
-            f"pipeline's schedule cannot split into micro-batches: it is dropped, as DataLoader(drop_last=True) does"
-        )
     sampler = ResumableSampler(
-        dataloader.sampler, batch_size=batches.batch_size, drop_last=drop_last, progress=progress
+        dataloader.sampler, batch_size=batches.batch_size, drop_last=batches.drop_last, progress=progress
     )
     loader = _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
-    loader.batch_sampler.drop_last = drop_last  # a DataLoader takes no new drop_last once built; its BatchSampler does
     loader.state_dict, loader.load_state_dict = sampler.state_dict, sampler.load_state_dict  # Lightning's `_Stateful`
     return loader
 

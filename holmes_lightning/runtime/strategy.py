@@ -619,12 +619,11 @@ class HolmesStrategy(ModelParallelStrategy):
             checkpoint.remove(Path(filepath))
 
     def process_dataloader(self, dataloader: object) -> object:
-        """Training data resumes mid-epoch where the checkpoint left it (Lightning alone restarts the epoch), and
-        drops an epoch's short last batch that the pipeline cannot split (`Pipeline.runs_short`)."""
+        """Training data resumes mid-epoch where the checkpoint left it (Lightning alone restarts the epoch)."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or not trainer.training:
             return dataloader
-        return resume.resumable(dataloader, trainer, runs=self.pipeline.runs_short if self.pipeline else None)
+        return resume.resumable(dataloader, trainer)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """The first step after a resume draws the random numbers the interrupted run would have drawn."""
