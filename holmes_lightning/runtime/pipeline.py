@@ -23,7 +23,7 @@ from holmes_lightning.runtime.ties import TiedCopies
 
 T = TypeVar("T")
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-# a forward-only schedule that takes any micro-batch count, by (V placement, several chunks per stage)
+# the schedule of a placement that takes any micro-batch count, by (V placement, several chunks per stage)
 _ANY_COUNT = {(False, False): "GPipe", (False, True): "LoopedBFS", (True, True): "ZBVZeroBubble"}
 _SCHEDULES_KEPT = 8  # a schedule holds receive buffers of its micro-batches' activations (and gradients)
 
