@@ -506,13 +506,25 @@ def _layouts(topology: Topology, options: PlanOptions, profile: ModelProfile, pr
 
     if options.layout is LayoutKind.flat_fsdp:
         return [flat_layout(topology)]
-    wanted = check_degrees(topology, options)
+    sizes = _allowed_dp(topology, options)
     if options.layout is LayoutKind.nic_unaware:
-        sizes = [wanted] if wanted else [d for d in range(1, world + 1) if world % d == 0]
         return [megatron_layout(topology, world // d, d) for d in sizes if deep_enough(d)]
     orders = group_orders(topology)
-    sizes = [wanted] if wanted else dp_degrees(topology)
     return [holmes_layout(order, d) for d in sizes if deep_enough(d) for order in orders]
+
+
+def _allowed_dp(topology: Topology, options: PlanOptions) -> list[int]:
+    """The DP degrees a request allows: every rank for flat FSDP, the requested one, else every one its layout
+    takes (any divisor of the ranks for a NIC-unaware layout)."""
+    world = topology.world_size
+    if options.layout is LayoutKind.flat_fsdp:
+        return [world]
+    wanted = check_degrees(topology, options)
+    if wanted:
+        return [wanted]
+    if options.layout is LayoutKind.nic_unaware:
+        return [d for d in range(1, world + 1) if world % d == 0]
+    return dp_degrees(topology)
 
 
 def check_degrees(topology: Topology, options: PlanOptions) -> int | None:
@@ -542,18 +554,10 @@ def check_degrees(topology: Topology, options: PlanOptions) -> int | None:
 def check_batch(topology: Topology, options: PlanOptions, batch: BatchSettings) -> None:
     """A PlanError where no DP degree that the request allows splits `batch` into micro-batches a schedule it allows
     takes (the reasons per degree). It needs no model, so a launch checks it before any process starts."""
-    world, wanted = topology.world_size, check_degrees(topology, options)
-    if options.layout is LayoutKind.flat_fsdp:
-        degrees = [world]
-    elif wanted is not None:
-        degrees = [wanted]
-    elif options.layout is LayoutKind.holmes:
-        degrees = dp_degrees(topology)
-    else:
-        degrees = [d for d in range(1, world + 1) if world % d == 0]
+    world = topology.world_size
     schedules = MODELLED_SCHEDULES if options.schedule.chosen else (options.schedule,)
     problems: list[str] = []
-    for dp, schedule in itertools.product(degrees, schedules):
+    for dp, schedule in itertools.product(_allowed_dp(topology, options), schedules):
         pp = 1 if options.layout is LayoutKind.flat_fsdp else world // dp
         if _batch_splits(pp, dp, batch, replace(options, schedule=schedule), problems):
             return
