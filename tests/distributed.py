@@ -64,23 +64,28 @@ def run_ranks(
                 command = [sys.executable, str(Path(__file__).resolve()), target, json.dumps(kwargs), out]
                 code = launch(command, topology, node_env=(lambda _node: env) if env else None, grace_s=5)
             else:
-                code = _run_forked(target, kwargs, out, topology, env or {})
+                code = _run_forked(target, kwargs, out, topology, env or {}, timeout_s)
         if code != 0:
             raise RuntimeError(f"{target} failed on some rank with exit code {code} (rank output is above)")
         return [json.loads(Path(out, f"rank{rank}.json").read_text()) for rank in range(topology.world_size)]
 
 
-def _run_forked(target: str, kwargs: dict[str, Any], out: str, topology: Topology, env: dict[str, str]) -> int:
-    """Each rank forked from the preloaded server with `launch`'s variables; once one fails (or the test's deadline
-    passes) the others get SIGUSR1 (each prints its threads' Python stacks into its log), then SIGTERM and, after
-    5 s, SIGKILL. Returns 0, or a failed rank's code (one killed by signal N first, as 128 + N). Each rank's output
-    is printed here, after the job, to this process's stderr."""
+def _run_forked(
+    target: str, kwargs: dict[str, Any], out: str, topology: Topology, env: dict[str, str], timeout_s: float
+) -> int:
+    """Each rank forked from the preloaded server with `launch`'s variables; once one fails the others get SIGUSR1
+    (each prints its threads' Python stacks into its log), then SIGTERM and, after 5 s, SIGKILL. Near the test's
+    deadline every rank still running prints its stacks by itself (`_forked_rank`). Returns 0, or a failed rank's
+    code (one killed by signal N first, as 128 + N). Each rank's output is printed here, after the job, to this
+    process's stderr, with whether it had returned its result."""
     port = free_port()
     ranks = []
     for rank in range(topology.world_size):
         environment = process_env(rank_env(topology, rank, "127.0.0.1", port), env)
         # not daemonic: a rank may start processes of its own (DataLoader workers)
-        ranks.append(_FORKS.Process(target=_forked_rank, args=(target, kwargs, out, environment), daemon=False))
+        ranks.append(
+            _FORKS.Process(target=_forked_rank, args=(target, kwargs, out, environment, timeout_s), daemon=False)
+        )
     try:
         for process in ranks:
             process.start()
@@ -104,14 +109,22 @@ def _run_forked(target: str, kwargs: dict[str, Any], out: str, topology: Topolog
             if process.exitcode is None:
                 process.kill()
                 process.join()
-        for rank in range(len(ranks)):
-            log = Path(out, f"rank{rank}.log")
-            if log.exists() and log.stat().st_size:
-                print(f"--- rank {rank} ---\n{log.read_text()}", file=sys.stderr, end="", flush=True)
+        for rank, process in enumerate(ranks):
+            log, returned = Path(out, f"rank{rank}.log"), Path(out, f"rank{rank}.json").exists()
+            state = f"exit code {process.exitcode}" if process not in running else "stopped here"
+            text = log.read_text() if log.exists() else ""
+            print(
+                f"--- rank {rank} ({state}, result {'returned' if returned else 'not returned'}) ---\n{text}",
+                file=sys.stderr,
+                end="",
+                flush=True,
+            )
 
 
-def _forked_rank(target: str, kwargs: dict[str, Any], out: str, environment: dict[str, str]) -> None:
-    """A forked rank: its whole environment (`process_env`) and output file, then the target (`_main`)."""
+def _forked_rank(target: str, kwargs: dict[str, Any], out: str, environment: dict[str, str], timeout_s: float) -> None:
+    """A forked rank: its whole environment (`process_env`) and output file, then the target (`_main`). Its stacks
+    go to its log on SIGUSR1 and, from a timer, shortly before the test's deadline: Lightning's Trainer sets every
+    signal's handler back to what Python saw at its start when it tears down, which undoes the SIGUSR1 one."""
     os.environ.clear()
     os.environ.update(environment)
     torch.set_num_threads(int(environment["OMP_NUM_THREADS"]))
@@ -121,6 +134,7 @@ def _forked_rank(target: str, kwargs: dict[str, Any], out: str, environment: dic
     os.close(log)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    faulthandler.dump_traceback_later(max(1.0, timeout_s - 10))
     _main(target, json.dumps(kwargs), out)
 
 
