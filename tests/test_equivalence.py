@@ -44,6 +44,13 @@ CASES: dict[str, dict[str, Any]] = {
     # every layer keeps only its input and runs its forward again in backward; then every other layer
     "1f1b_full_checkpointing": {"schedule": "1F1B", "partition": "auto", "checkpointing": "full"},
     "gpipe_selective_checkpointing": {"schedule": "GPipe", "partition": "uniform", "checkpointing": "selective"},
+    # the first layer frozen and alone on its stage: the next stage's inputs need no gradient, its weights still do
+    "zbv_first_layer_frozen": {"schedule": "ZBVZeroBubble", "partition": [1, 2, 2, 1], "frozen": 1},
+    "interleaved_zero_bubble_first_layer_frozen": {
+        "schedule": "InterleavedZeroBubble",
+        "partition": [1, 2, 2, 1],
+        "frozen": 1,
+    },
 }
 
 
@@ -73,6 +80,7 @@ def train_cases(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
     for name, case in cases.items():
         L.seed_everything(SEED)
         model, recorder = TinyMLP(widths=case.get("widths", WIDTHS)), LossRecorder()
+        model.layers[: case.get("frozen", 0)].requires_grad_(False)
         accumulate = case.get("accumulate", 1)
         strategy = HolmesStrategy(
             cluster=case.get("cluster", "two_cluster_mixed"),
@@ -116,9 +124,12 @@ def train_cases(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 @cache
-def single_process(accumulate: int = 1, validate: bool = False, widths: tuple[int, ...] = WIDTHS) -> dict[str, Any]:
+def single_process(
+    accumulate: int = 1, validate: bool = False, widths: tuple[int, ...] = WIDTHS, frozen: int = 0
+) -> dict[str, Any]:
     L.seed_everything(SEED)
     model, recorder = TinyMLP(widths=widths), LossRecorder()
+    model.layers[:frozen].requires_grad_(False)
     trainer = _trainer(STEPS // accumulate, accumulate, validate, devices=1, callbacks=[recorder])
     loader = tiny_loader(STEPS * GLOBAL_BATCH, GLOBAL_BATCH, single_process_seed=SEED)
     val_loader = tiny_loader(VAL_SAMPLES, GLOBAL_BATCH, shuffle=False)
@@ -162,7 +173,7 @@ def test_zero_bubble_and_v_pipelines_over_three_clusters_match_single_process() 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", CASES)
 def test_losses_match_single_process(name: str, ranks: list[dict[str, Any]]) -> None:
-    reference = single_process(CASES[name].get("accumulate", 1))["losses"]
+    reference = single_process(CASES[name].get("accumulate", 1), frozen=CASES[name].get("frozen", 0))["losses"]
     assert len(reference) == STEPS
     for rank, result in enumerate(ranks):
         assert result[name]["losses"] == pytest.approx(reference, rel=1e-4), f"rank {rank}"

@@ -124,6 +124,32 @@ class HopStage(PipelineStage):
         if self.has_backward:
             super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
+    def backward_maybe_with_nosync(
+        self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
+    ) -> tuple[tuple[torch.Tensor | None, ...], list[dict] | None]:
+        """Torch's split backward (zero-bubble and V schedules) finds a stage's weight gradients through its inputs'
+        (torch 2.13, `stage_backward_input`), and runs the whole backward in the weight pass instead only for stage 0,
+        whose inputs need no gradient. A later stage whose inputs need none either (every layer before it frozen)
+        got no weight gradients at all; its input pass is skipped here, as stage 0's is, and its weight pass runs the
+        whole backward (`backward_weight_one_chunk`)."""
+        if backward_type == "input" and not _requires_grad(bwd_kwargs["input_values"]):
+            return tuple(None for _ in bwd_kwargs["input_values"]), None
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+        state = self.backward_state.get(bwd_chunk_id) if self.stage_index != 0 else None
+        if state is None or state[1] is not None:  # the input pass gave the weights' parameter groups
+            super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+            return
+        input_values, _, stage_output, output_grads = self.backward_state.pop(bwd_chunk_id)
+        self.dw_runner.pop(bwd_chunk_id)
+        whole = {"stage_output": stage_output, "output_grads": output_grads, "input_values": input_values}
+        self.backward_maybe_with_nosync("full", whole, last_backward=last_backward)
+
+
+def _requires_grad(values: Sequence[object]) -> bool:
+    return any(isinstance(value, torch.Tensor) and value.requires_grad for value in values)
+
 
 class Pipeline:
     """This rank's chunks as PipelineStages and the plan's schedule; one schedule per micro-batch shape for eval.
