@@ -462,6 +462,42 @@ def test_batches_padded_to_their_longest_sequence_train_as_in_one_process() -> N
     assert all(losses == pytest.approx(reference, rel=1e-5) for losses in ranks)
 
 
+class FineTunedMLP(TinyMLP):
+    """TinyMLP with its first layer frozen and an optimizer over the trainable parameters only, as one fine-tunes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers[0].requires_grad_(False)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW((p for p in self.parameters() if p.requires_grad), lr=self.hparams.lr)
+
+
+def fine_tuned(checkpoint_dir: str) -> dict[str, list[float]]:
+    """Rank side: FineTunedMLP with its frozen layer alone on stage 0, 2 epochs saved after the first; then resumed."""
+    samples, runs = STEPS_PER_EPOCH * GLOBAL_BATCH, {}
+    saver = ModelCheckpoint(checkpoint_dir, "{step}", every_n_train_steps=STEPS_PER_EPOCH, save_top_k=-1)
+    for run, saved in (("uninterrupted", None), ("resumed", f"{checkpoint_dir}/step={STEPS_PER_EPOCH}.ckpt")):
+        L.seed_everything(SEED)
+        strategy = HolmesStrategy(cluster="two_cluster_mixed", partition=[1, 5], global_batch=GLOBAL_BATCH)
+        loader = tiny_loader(samples, GLOBAL_BATCH // 2)
+        runs[run] = _fit(FineTunedMLP(), strategy, 2 * STEPS_PER_EPOCH, loader, saved, None if saved else saver)
+    return runs
+
+
+@pytest.mark.slow
+def test_a_stage_of_frozen_layers_trains_and_resumes_as_in_one_process(tmp_path: Path) -> None:
+    """The stage holding only the frozen layer builds the module's optimizer too: over the trainable parameters it
+    was empty, which torch refuses ("optimizer got an empty parameter list") on that stage's ranks."""
+    ranks = run_ranks("test_strategy:fine_tuned", checkpoint_dir=str(tmp_path), timeout_s=240, env=QUICK)
+    L.seed_everything(SEED)
+    loader = tiny_loader(STEPS_PER_EPOCH * GLOBAL_BATCH, GLOBAL_BATCH, single_process_seed=SEED)
+    reference = _fit(FineTunedMLP(), "auto", 2 * STEPS_PER_EPOCH, loader)
+    for runs in ranks:
+        assert runs["uninterrupted"] == pytest.approx(reference, rel=1e-5)
+        assert runs["resumed"] == pytest.approx(reference[STEPS_PER_EPOCH:], rel=1e-5)
+
+
 class SharedBlockMLP(DividedBatchMLP):
     """One block applied four times, written as `[block] * 4` in a ModuleList (ALBERT shares its layer so); its
     sample comes from the data (on meta, an example input would hold none)."""

@@ -96,6 +96,22 @@ def end_process_groups() -> None:
         dist.destroy_process_group()
 
 
+@contextmanager
+def _frozen_stage_shown_trainable(module: nn.Module) -> Iterator[None]:
+    """While `configure_optimizers` runs on a stage whose parameters are all frozen (a fine-tuned model's first
+    layers): they are shown as trainable. An optimizer over the trainable parameters (`p.requires_grad`), as one builds
+    for fine-tuning, is then not empty there, which torch refuses; they get no gradient, so it never changes them."""
+    parameters = list(module.parameters())
+    frozen = not any(parameter.requires_grad for parameter in parameters)
+    for parameter in parameters if frozen else ():
+        parameter.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for parameter in parameters if frozen else ():
+            parameter.requires_grad_(False)
+
+
 class HolmesStrategy(ModelParallelStrategy):
     """Pipeline x FSDP2 over the NIC groups of `cluster`, on the Plan the Holmes planner picks (or the one given).
 
@@ -412,6 +428,11 @@ class HolmesStrategy(ModelParallelStrategy):
         self._device_mesh = self.plan_mesh.mesh
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        with _frozen_stage_shown_trainable(self.lightning_module):
+            super().setup_optimizers(trainer)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
