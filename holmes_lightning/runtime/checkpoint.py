@@ -365,9 +365,13 @@ def load(
     _refuse_damaged(path, sorted(name for damaged in _gather(_damaged(path, digests, share)) for name in damaged))
     saved = Plan.from_json((path / PLAN_FILE).read_text())
     check_resumable(saved, plan, path)
-    key = _model_key(path)
+    saved_keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata.keys()
+    key = _model_key(saved_keys)
     state: dict[str, Any] = {key: model_state(module)}
-    state.update({f"optimizer_{i}": optimizer_state(module, opt) for i, opt in enumerate(optimizers)})
+    templates = [optimizer_state(module, optimizer) for optimizer in optimizers]
+    stored = [_parameters_with_state(saved_keys, f"optimizer_{i}.") for i in range(len(optimizers))]
+    for i, (template, held) in enumerate(zip(templates, stored, strict=True)):
+        state[f"optimizer_{i}"] = {name: value for name, value in template.items() if _held(name, held)}
     state.update(extra or {})
     try:
         dcp.load(state, checkpoint_id=path)
@@ -380,7 +384,8 @@ def load(
     set_model_state_dict(module, state[key], options=StateDictOptions(strict=strict))
     for i, optimizer in enumerate(optimizers):
         with _without_empty_groups(optimizer):
-            set_optimizer_state_dict(module, optimizer, state[f"optimizer_{i}"], options=OPTIONS)
+            set_optimizer_state_dict(module, optimizer, templates[i] | state[f"optimizer_{i}"], options=OPTIONS)
+        _forget_unsaved(module, optimizer, stored[i])
     rng = path / rng_file(rank)
     same_job = saved.world_size == plan.world_size and rng.is_file()
     return torch.load(path / _METADATA_FILENAME, weights_only=False), torch.load(
@@ -388,10 +393,32 @@ def load(
     ) if same_job else None
 
 
-def _model_key(path: Path) -> str:
-    """The DCP key the checkpoint at `path` keeps its weights under (`MODEL_KEY`, or an older one's)."""
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    return LEGACY_MODEL_KEY if any(name.startswith(f"{LEGACY_MODEL_KEY}.") for name in saved) else MODEL_KEY
+def _model_key(saved_keys: Collection[str]) -> str:
+    """The DCP key a checkpoint of these keys keeps its weights under (`MODEL_KEY`, or an older one's)."""
+    return LEGACY_MODEL_KEY if any(name.startswith(f"{LEGACY_MODEL_KEY}.") for name in saved_keys) else MODEL_KEY
+
+
+def _parameters_with_state(saved_keys: Collection[str], prefix: str) -> set[str]:
+    """The parameters that the optimizer state saved under `prefix` holds a state for (`state.<parameter>.<name>`)."""
+    return {
+        name.removeprefix(f"{prefix}state.").rpartition(".")[0]
+        for name in saved_keys
+        if name.startswith(f"{prefix}state.")
+    }
+
+
+def _held(template_key: str, stored: set[str]) -> bool:
+    """Whether the checkpoint holds this key of an optimizer's flattened state: param groups always, a parameter's
+    state where it was saved with one (not one frozen then, unfrozen since)."""
+    return not template_key.startswith("state.") or template_key.removeprefix("state.").rpartition(".")[0] in stored
+
+
+def _forget_unsaved(module: nn.Module, optimizer: Optimizer, stored: set[str]) -> None:
+    """Drop the state that torch's loading made up (a zero-gradient step) for parameters that the checkpoint holds
+    none for: they start afresh at their first step, as after torch's `Optimizer.load_state_dict`."""
+    for name, parameter in module.named_parameters():
+        if name not in stored:
+            optimizer.state.pop(parameter, None)
 
 
 @contextmanager
