@@ -194,6 +194,7 @@ class Pipeline:
         self.on_schedule_built: list[Callable[[BuiltSchedule], None]] = []  # called with each, before its first step
         self._weight_scale: torch.Tensor | None = None  # micro-batches x replicas / the global batch's weight
         self._compared: set[str] = set()  # the kinds of batch whose first one the pipeline's ranks compared
+        self._trained: frozenset[str] | None = None  # the parameters that required gradients at the first step
 
     @property
     def is_first(self) -> bool:
@@ -271,6 +272,7 @@ class Pipeline:
             )
         microbatches = plan.training_microbatches(samples)
         self._compare_first("training", (*inputs, targets))
+        self._check_trained_parameters()
         for module in self.fsdp_modules:  # every stage gathers now, not when its first micro-batch arrives
             module.unshard(async_op=True)  # FSDP's pre-forward waits for it
         self._weigh(targets, microbatches)
@@ -289,6 +291,28 @@ class Pipeline:
     def predict_step(self, inputs: Inputs) -> torch.Tensor | None:
         """Forward only, no loss: the last stage's outputs (None on the other stages)."""
         return self._forward(inputs, None, keep_outputs=True)[1]
+
+    def _check_trained_parameters(self) -> None:
+        """Which parameters train is fixed at the first training step: torch's pipeline infers then which stage inputs
+        and outputs carry gradients, for every step after. A layer frozen or unfrozen later (gradual unfreezing)
+        failed in backward ("grad can be implicitly created only for scalar outputs") on another stage's ranks."""
+        trained = frozenset(
+            f"pipeline layer {start + int(index)}: {name}"
+            for chunk, (start, _) in zip(self.chunks, self.plan.stages[self.stage].chunks, strict=True)
+            for parameter_name, parameter in chunk.named_parameters()
+            if parameter.requires_grad
+            for index, _, name in [parameter_name.partition(".")]
+        )
+        if self._trained is None:
+            self._trained = trained
+        elif trained != self._trained:
+            changed = sorted(trained ^ self._trained)
+            raise RuntimeError(
+                f"HolmesStrategy: requires_grad changed after the first training step for {len(changed)} "
+                f"parameter(s) ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}): the pipeline fixes at "
+                f"its first step which stage inputs and outputs carry gradients. Freeze or unfreeze before fit (or in "
+                f"on_fit_start), or start a new fit from a checkpoint after the change"
+            )
 
     def _compare_first(self, kind: str, batch: Sequence[torch.Tensor]) -> None:
         """On the first batch of a kind, that the pipeline's ranks all read it (`same_batch`)."""
