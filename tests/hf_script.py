@@ -4,7 +4,8 @@ FAMILY,SCHEDULE,PADDING[,PRETRAINED_DIR] ...` (each into OUT/FAMILY-SCHEDULE-PAD
 directory).
 
 pp=2 x dp=2 (Lightning's launcher starts the 4 processes), dict batches from a DataLoader that splits its data with
-`DistributedSampler(**trainer.strategy.distributed_sampler_kwargs)`, no `example_input_array`. Rows are padded on
+`DistributedSampler(**trainer.strategy.distributed_sampler_kwargs)`, no `example_input_array`. FAMILY+lora: that
+model with a LoRA adapter (peft) on its attention's query and value projections, the rest frozen. Rows are padded on
 the `PADDING` side ("right" or "left") with `labels=-100` there and at a few other places. Each rank writes
 OUT/rank<N>.json: its per-step losses, and the tied embedding's values where it holds a copy; then every rank saves
 the trained model with `trainer.strategy.save_hf(OUT/hf)`. With PRETRAINED_DIR the model is built on the meta device
@@ -64,6 +65,18 @@ CONFIGS = {  # no dropout: one process and the pipeline then compute alike
     ),
     "gpt_bigcode": lambda: tf.GPTBigCodeConfig(**GPT2_LIKE, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0),
 }
+
+
+def source(family: str) -> Any:
+    """What `family` builds from: its config, or for "FAMILY+lora" that model with a LoRA adapter (peft), whose B
+    matrices start random so that the adapter changes the logits from the first step."""
+    base, _, adapter = family.partition("+")
+    if not adapter:
+        return CONFIGS[family]()
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False)
+    return get_peft_model(tf.AutoModelForCausalLM.from_config(CONFIGS[base]()), lora)
 
 
 class PaddedTokens(Dataset):
@@ -137,7 +150,7 @@ def main(family: str, schedule: str, padding: str, out: str, pretrained: str | N
         enable_model_summary=False,
     )
     with trainer.init_module(empty_init=pretrained is not None):
-        model = MyCausalLM(pretrained or CONFIGS[family](), padding)
+        model = MyCausalLM(pretrained or source(family), padding)
     trainer.fit(model)
     result = {"losses": losses.losses, "tied": tied_copy(model), "plan": [len(s.layers) for s in strategy.plan.stages]}
     Path(out).mkdir(parents=True, exist_ok=True)

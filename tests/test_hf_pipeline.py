@@ -35,6 +35,7 @@ CASES = [
     ("gptj", "1F1B", "left"),  # position ids cross the stages: torch's shape inference runs stage 1 on them
     ("bloom", "1F1B", "left"),  # every stage builds ALiBi biases from the padding mask it is passed
 ]
+LORA = ("llama+lora", "ZBVZeroBubble", "right")  # frozen weights, the embedding and head without an adapter
 PRETRAINED = ("llama", "GPipe", "right")  # the same launch, built from a saved directory: each rank loads its stage
 ENV_SECONDS = {"HOLMES_CALIBRATION_SECONDS": "0.05", "OMP_NUM_THREADS": "1"}
 
@@ -64,7 +65,7 @@ def every_case(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("hf_cases")
     torch.manual_seed(0)
     tf.AutoModelForCausalLM.from_config(hf_script.CONFIGS[PRETRAINED[0]]()).save_pretrained(out / "pretrained")
-    cases = [",".join(case) for case in CASES] + [",".join((*PRETRAINED, str(out / "pretrained")))]
+    cases = [",".join(case) for case in (*CASES, LORA)] + [",".join((*PRETRAINED, str(out / "pretrained")))]
     run_script("--cases", str(out), *cases, cwd=str(out))
     return out
 
@@ -73,7 +74,7 @@ def reference(family: str, padding: str, source: object = None) -> tuple[list[fl
     """Per-step losses of one process on the global batches in the pipeline's order (each replica's sampler, shuffle
     off, takes rows d, d + 2, ...: together the next 8 rows), and the trained model."""
     L.seed_everything(hf_script.SEED)
-    model, losses = HFItself(source or hf_script.CONFIGS[family](), learning_rate=3e-3), hf_script.StepLosses()
+    model, losses = HFItself(source or hf_script.source(family), learning_rate=3e-3), hf_script.StepLosses()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -109,6 +110,25 @@ def test_an_hf_model_trains_across_the_clusters_as_in_one_process(family, schedu
         assert torch.allclose(saved(**inputs).logits, trained.hf_model.eval()(**inputs).logits, rtol=1e-4, atol=1e-4)
     written = json.loads((out / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
     assert set(written) == set(trained.hf_model.state_dict()) - _tied_keys(trained.hf_model)
+
+
+@pytest.mark.slow
+def test_a_lora_adapter_trains_as_in_one_process_and_saves_as_peft_does(every_case):
+    """The LoRA matrices train, the frozen weights stay as they are, and `save_hf` writes the adapter as peft does
+    (it wrote the peft model's keys as a model's, which `from_pretrained` filled at random)."""
+    from peft import PeftModel
+
+    out = Path(hf_script.case_dir(str(every_case), *LORA))
+    expected, trained = reference(LORA[0], LORA[2])
+    for rank in rank_results(out):
+        assert rank["losses"] == pytest.approx(expected, rel=1e-4), rank
+    L.seed_everything(hf_script.SEED)  # the base model as the script built it, before its adapter
+    base = tf.AutoModelForCausalLM.from_config(hf_script.CONFIGS[LORA[0].partition("+")[0]]())
+    saved = PeftModel.from_pretrained(base, out / "hf").eval()
+    batch = next(iter(DataLoader(hf_script.PaddedTokens(LORA[2]), batch_size=4)))
+    inputs = {key: batch[key] for key in ("input_ids", "attention_mask")}
+    with torch.no_grad():
+        assert torch.allclose(saved(**inputs).logits, trained.hf_model.eval()(**inputs).logits, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import os
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -22,6 +22,7 @@ from transformers import GenerationConfig, PretrainedConfig
 
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # a peft adapter's, as peft names it
 HFKeys = Mapping[str, Sequence[str]]  # a layer's state-dict key -> the HF keys of that tensor
 
 
@@ -89,6 +90,15 @@ def write_part(directory: str | os.PathLike, state: Mapping[str, torch.Tensor], 
     tensors = {key: t.detach().to("cpu").contiguous() for key, t in state.items()}
     save_file(tensors, Path(directory) / name, metadata={"format": "pt"})
     return name
+
+
+def write_adapter(directory: str | os.PathLike, tensors: Mapping[str, torch.Tensor], config: Any) -> None:
+    """A peft adapter as `PeftModel.save_pretrained` writes one: its tensors, and `adapter_config.json` from its
+    `PeftConfig`."""
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    cpu = {key: t.detach().to("cpu").contiguous() for key, t in tensors.items()}
+    save_file(cpu, Path(directory) / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    config.save_pretrained(directory)
 
 
 class WrittenTensor(NamedTuple):

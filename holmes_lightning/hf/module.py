@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import lightning as L
@@ -22,6 +23,7 @@ from holmes_lightning.hf.checkpoint import (
     SafetensorsCheckpoint,
     WrittenTensor,
     hf_state_dict,
+    write_adapter,
     write_configs,
     write_index,
     write_part,
@@ -169,16 +171,29 @@ class HFCausalLM(L.LightningModule):
         *,
         part: int,
         parts: int,
-    ) -> dict[str, WrittenTensor]:
+    ) -> dict[str, WrittenTensor | torch.Tensor]:
         """Write the HF tensors of these pipeline layers (layer index -> full state dict) as part `part` of `parts`:
-        each HF key once, by the first layer of the model that holds it (a tied weight by its first holder)."""
+        each HF key once, by the first layer of the model that holds it (a tied weight by its first holder). Of a
+        peft model (LoRA, ...), only its adapter's tensors, which are returned to `finish_pretrained` unwritten."""
         state = hf_state_dict(self.layer_hf_keys, layer_states)
+        if _adapter_name(self.hf_model) is not None:
+            from peft.utils import get_peft_model_state_dict
+
+            adapter = get_peft_model_state_dict(self.hf_model, state, _adapter_name(self.hf_model))
+            return {key: tensor.detach().to("cpu") for key, tensor in adapter.items()}
         name = write_part(directory, state, part=part, parts=parts)
         return {key: WrittenTensor(name, t.numel() * t.element_size(), str(t.dtype)) for key, t in state.items()}
 
-    def finish_pretrained(self, directory: str | os.PathLike, written: Mapping[str, WrittenTensor]) -> None:
+    def finish_pretrained(
+        self, directory: str | os.PathLike, written: Mapping[str, WrittenTensor | torch.Tensor]
+    ) -> None:
         """The index of a directory written in several parts, and `config.json` (and `generation_config.json` where
-        the model generates)."""
+        the model generates). Of a peft model, its adapter as peft saves one (`PeftModel.from_pretrained(base,
+        directory)` loads it): the adapter tensors `written` holds, and `adapter_config.json`."""
+        adapter = _adapter_name(self.hf_model)
+        if adapter is not None:
+            write_adapter(directory, written, replace(self.hf_model.peft_config[adapter], inference_mode=True))
+            return
         if len({tensor.file for tensor in written.values()}) > 1:
             write_index(directory, written)
         hf_model = self.hf_model
@@ -189,6 +204,11 @@ class HFCausalLM(L.LightningModule):
             dtype=next(tensor.dtype for tensor in written.values() if "float" in tensor.dtype),
             generation_config=hf_model.generation_config if hf_model.can_generate() else None,
         )
+
+
+def _adapter_name(hf_model: nn.Module) -> str | None:
+    """The active adapter of a peft model (`get_peft_model`), else None."""
+    return getattr(hf_model, "active_adapter", None) if hasattr(hf_model, "peft_config") else None
 
 
 def _local_directory(source: str | os.PathLike) -> Path:

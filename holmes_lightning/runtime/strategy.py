@@ -589,8 +589,9 @@ class HolmesStrategy(ModelParallelStrategy):
         clip_grad_norm_(params, clip_val, pp_group, self.root_device, uncounted=copies)
 
     def save_hf(self, directory: str | Path) -> None:
-        """Write the trained model as a Hugging Face directory (`AutoModelForCausalLM.from_pretrained` loads it); call
-        it on every rank, after `fit`. Each stage writes its layers' tensors, tied weights once."""
+        """Write the trained model as a Hugging Face directory (`AutoModelForCausalLM.from_pretrained` loads it; a
+        peft model's adapter, which `PeftModel.from_pretrained` loads); call it on every rank, after `fit`. Each stage
+        writes its layers' tensors, tied weights once."""
         assert self.lightning_module is not None and self.plan_mesh is not None
         save_pretrained(
             self.lightning_module, Path(self.broadcast(str(directory))), plan=self._require_plan(), mesh=self.plan_mesh
