@@ -309,6 +309,37 @@ def test_memory_limit_pushes_the_plan_to_more_stages():
         assert any(note.startswith(f"alternative {name} is infeasible") for note in plans["holmes"].notes)
 
 
+def _frozen(profile: ModelProfile, trained_share: float) -> ModelProfile:
+    """`profile` with all but `trained_share` of every layer's weights frozen (LoRA: only the adapters train)."""
+    layers = tuple(replace(layer, frozen_bytes=layer.param_bytes * (1 - trained_share)) for layer in profile.layers)
+    return replace(profile, layers=layers)
+
+
+def test_frozen_weights_are_gathered_but_get_no_gradient_sync_optimizer_step_or_state():
+    """NCCL FSDP in a pipeline: a step all-gathers the weights once and reduce-scatters the gradients once; frozen
+    weights only the first."""
+    topology, batch = Topology.from_config("paper_4ib_4roce"), BatchSettings(2048)
+    options = PlanOptions(pp=8, partition="uniform")
+    costs = MachineCosts(latency_s=0.0, optimizer_s_per_gb=1.0, fsdp_optimizer_layer_s=0.0)
+    trained = best_plan(topology, GPT_7_5B, batch, options=options, costs=costs)
+    frozen = best_plan(topology, _frozen(GPT_7_5B, 0.0), batch, options=options, costs=costs)
+    for whole, still in zip(trained.stages, frozen.stages, strict=True):
+        assert still.chunks == whole.chunks
+        assert still.sync_s == pytest.approx(whole.sync_s / 2)
+        assert still.update_s == 0 < whole.update_s
+        assert still.memory_gb < whole.memory_gb
+
+
+def test_a_model_whose_weights_are_mostly_frozen_fits_a_memory_limit_on_fewer_stages():
+    """Under a limit that pushes the whole model to more stages, its LoRA fine-tune (1% of the weights train) keeps
+    the stages it plans without one: the planner counted frozen weights' gradients and optimizer states too."""
+    topology, batch = Topology.from_config("paper_4ib_4roce"), BatchSettings(2048)
+    free = best_plan(topology, GPT_7_5B, batch)
+    limit = PlanOptions(memory_limit_gb=free.prediction.memory_gb * 0.6)
+    assert best_plan(topology, GPT_7_5B, batch, options=limit).pp > free.pp
+    assert best_plan(topology, _frozen(GPT_7_5B, 0.01), batch, options=limit).pp == free.pp
+
+
 def test_gloo_fsdp_pays_an_all_reduce_for_its_reduce_scatter():
     """On gloo FSDP moves 3 (n-1)/n of the bytes, replicas 2 (n-1)/n; on NCCL both move 2 (n-1)/n."""
     topology = Topology.from_config("two_cluster_mixed")

@@ -96,3 +96,13 @@ class Returning(torch.nn.Module):
 def test_a_layer_returning_what_a_stage_cannot_send_is_named(wrap, returned):
     with pytest.raises(TypeError, match=f"pipeline layer Returning returned {returned}: .* a tuple of tensors"):
         profile_modules([Returning(wrap), torch.nn.Linear(4, 2)], torch.zeros(2, 4))
+
+
+def test_frozen_parameters_are_counted_apart():
+    """`requires_grad=False` parameters are the layer's `frozen_bytes` (a frozen embedding; LoRA's frozen base)."""
+    layers = [torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)]
+    layers[0].requires_grad_(False)
+    layers[1].weight.requires_grad_(False)
+    profile = profile_modules(layers, torch.zeros(2, 3, dtype=torch.long))
+    assert [layer.frozen_bytes for layer in profile.layers] == [16 * 8 * 4, 8 * 8 * 4, 0]
+    assert [layer.trained_bytes for layer in profile.layers] == [0, 8 * 4, (8 * 4 + 4) * 4]

@@ -137,7 +137,7 @@ class Calibration:
             assumed,
             efficiency=1.0 if peak_tflops is None else device_tflops / peak_tflops,
             layer_overhead_s=measured.pass_overhead_s / per_layer,
-            optimizer_s_per_gb=measured.optimizer_s / (profile.param_bytes / 1e9) / share,
+            optimizer_s_per_gb=measured.optimizer_s / ((profile.trained_bytes or profile.param_bytes) / 1e9) / share,
             fsdp_layer_s=measured.fsdp_pass_s / per_layer,
             fsdp_reshard_layer_s=measured.fsdp_reshard_pass_s / per_layer,
             fsdp_optimizer_layer_s=measured.fsdp_optimizer_s / per_layer,

@@ -90,6 +90,7 @@ def _measured(modules: list[nn.Module], sample: Flow, on_meta: bool, time_repeat
             ) from error
         seconds = _time(module, inputs, time_repeats) if time_repeats > 0 else (None, None)
         param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+        frozen_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if not p.requires_grad)
         output_bytes = nbytes(out)
         if index == len(modules) - 1:
             stash += 2 * output_bytes
@@ -104,6 +105,7 @@ def _measured(modules: list[nn.Module], sample: Flow, on_meta: bool, time_repeat
                 forward_s=None if seconds[0] is None else seconds[0] / batch,
                 backward_s=None if seconds[1] is None else seconds[1] / batch,
                 weight_flops=(backward_flops - input_flops) / batch,
+                frozen_bytes=float(frozen_bytes),
             )
         )
         x = detached(out)

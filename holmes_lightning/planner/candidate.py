@@ -99,6 +99,8 @@ class Candidate:
         self._backward = [per_speed[speed][1] for speed in self.hardware.tflops]  # [stage][level]
         self._weight = [per_speed[speed][2] for speed in self.hardware.tflops]
         self._params = _cumulative([layer.param_bytes for layer in layers])
+        frozen = [layer.frozen_bytes for layer in layers]
+        self._frozen = _cumulative(frozen) if any(frozen) else None  # None: every parameter trains
         self._stash = [
             _cumulative([self._kept_bytes(i, again) * mb for i, again in enumerate(rerun)]) for rerun in reruns
         ]
@@ -197,29 +199,40 @@ class Candidate:
     def param_bytes(self, start: int, stop: int) -> float:
         return self._params[stop] - self._params[start]
 
+    def frozen_bytes(self, start: int, stop: int) -> float:
+        """Of `param_bytes`, those of parameters that do not train."""
+        return 0.0 if self._frozen is None else self._frozen[stop] - self._frozen[start]
+
     def stash_bytes(self, start: int, stop: int, level: int = 0) -> float:
         """Activations one micro-batch leaves for the backward pass in layers [start, stop) at checkpointing `level`."""
         return self._stash[level][stop] - self._stash[level][start]
 
-    def sync_s(self, stage: int, param_bytes: float, layers: int) -> float:
+    def sync_s(self, stage: int, param_bytes: float, layers: int, frozen_bytes: float = 0.0) -> float:
+        dp_link = self.hardware.dp_links[stage]
         return self.cost.dp_sync_s(
-            self.layout.dp, self.hardware.dp_links[stage], param_bytes, layers=layers, pipelined=self.pipelined
+            self.layout.dp, dp_link, param_bytes, layers=layers, pipelined=self.pipelined, frozen_bytes=frozen_bytes
         )
 
-    def exposed_sync_s(self, stage: int, param_bytes: float, layers: int, compute_s: float) -> float:
+    def exposed_sync_s(
+        self, stage: int, param_bytes: float, layers: int, compute_s: float, frozen_bytes: float = 0.0
+    ) -> float:
         """The sync of a stage of `layers` layers that its computation (`compute_s`: one micro-batch's forward and
         backward) does not hide."""
-        sync = self.sync_s(stage, param_bytes, layers)
+        sync = self.sync_s(stage, param_bytes, layers, frozen_bytes)
         return self.cost.exposed_sync_s(sync, compute_s * self.all_busy, pipelined=self.pipelined)
 
-    def update_s(self, param_bytes: float, layers: int) -> float:
-        return self.cost.update_s(param_bytes, self.layout.dp, layers=layers, pipelined=self.pipelined) * self.all_busy
+    def update_s(self, param_bytes: float, layers: int, frozen_bytes: float = 0.0) -> float:
+        update = self.cost.update_s(
+            param_bytes, self.layout.dp, layers=layers, pipelined=self.pipelined, frozen_bytes=frozen_bytes
+        )
+        return update * self.all_busy
 
-    def tail_s(self, stage: int, param_bytes: float, layers: int, compute_s: float) -> float:
+    def tail_s(self, stage: int, param_bytes: float, layers: int, compute_s: float, frozen_bytes: float = 0.0) -> float:
         """What follows a stage's last backward: the sync the computation does not hide, the optimizer step, and a
-        pipeline's closing all-reduce of the loss over every rank."""
-        exposed = self.exposed_sync_s(stage, param_bytes, layers, compute_s)
-        return exposed + self.update_s(param_bytes, layers) + self.closing_s
+        pipeline's closing all-reduce of the loss over every rank (`frozen_bytes`: of the parameters, those that do
+        not train)."""
+        exposed = self.exposed_sync_s(stage, param_bytes, layers, compute_s, frozen_bytes)
+        return exposed + self.update_s(param_bytes, layers, frozen_bytes) + self.closing_s
 
     @property
     def closing_s(self) -> float:
@@ -229,10 +242,12 @@ class Candidate:
     def tail_share_s(self, stage: int, start: int, stop: int) -> float:
         """What layers [start, stop) add at least to their stage's tail in a pipeline (whose sync runs after the
         schedule, all exposed): `closing_s` plus the shares of a stage's chunks is at most its `tail_s`."""
-        params, layers = self.param_bytes(start, stop), stop - start
+        params, layers, frozen = self.param_bytes(start, stop), stop - start, self.frozen_bytes(start, stop)
         dp_link = self.hardware.dp_links[stage]
-        sync = self.cost.dp_sync_s(self.layout.dp, dp_link, params, layers=layers, pipelined=True, share=True)
-        return sync + self.update_s(params, layers)
+        sync = self.cost.dp_sync_s(
+            self.layout.dp, dp_link, params, layers=layers, pipelined=True, share=True, frozen_bytes=frozen
+        )
+        return sync + self.update_s(params, layers, frozen)
 
     def memory_bytes(
         self, stage: int, param_bytes: float, ranges: Sequence[tuple[int, int] | None], level: int = 0
@@ -248,8 +263,9 @@ class Candidate:
             stash = peak_stash(self.held[stage], per_chunk + [0.0] * (self.chunks - len(per_chunk)))
         rerun = self._rerun[level]
         again = max((max(rerun[a:b]) for a, b in placed), default=0.0) if any(rerun) else 0.0
+        frozen = sum(self.frozen_bytes(a, b) for a, b in placed) if self._frozen is not None else 0.0
         return self.cost.memory_bytes(
-            param_bytes, dp=self.layout.dp, stash_bytes=stash + again, pipelined=self.virtual > 1
+            param_bytes, dp=self.layout.dp, stash_bytes=stash + again, pipelined=self.virtual > 1, frozen_bytes=frozen
         )
 
     def level(self, stage: int, param_bytes: float, ranges: Sequence[tuple[int, int] | None]) -> int | None:
@@ -317,7 +333,8 @@ class Candidate:
             return None
         level, memory = found
         forward, backward = self.forward_s(stage, start, stop), self.backward_s(stage, start, stop, level)
-        tail = self.tail_s(stage, params, stop - start, forward + backward) if self.chunks == 1 else 0.0
+        frozen = self.frozen_bytes(start, stop)
+        tail = self.tail_s(stage, params, stop - start, forward + backward, frozen) if self.chunks == 1 else 0.0
         weight = self.weight_s(stage, start, stop)
         return (forward, backward - weight, self.send_s(virtual_stage, stop), tail, weight), memory
 
@@ -375,8 +392,9 @@ class Candidate:
         for s in range(pp):
             own = self.own[s]
             params = sum(self.param_bytes(*ranges[k]) for k in own)
+            frozen = sum(self.frozen_bytes(*ranges[k]) for k in own)
             layers = sum(b - a for a, b in (ranges[k] for k in own))
-            tails.append(self.tail_s(s, params, layers, sum(forward[k] + backward[k] for k in own)))
+            tails.append(self.tail_s(s, params, layers, sum(forward[k] + backward[k] for k in own), frozen))
         early = [self.early_s(v, b) for v, (_, b) in enumerate(ranges)]
         weight = [self.weight_s(stage_of[v], a, b) for v, (a, b) in enumerate(ranges)] if self.splits else None
         return forward, backward, send, tails, early, self.buffered, weight
@@ -399,6 +417,7 @@ class Candidate:
                 self.backward_s(s, a, b, level) + self.message_cpu_s(k, backward=True) for k, (a, b) in placed
             )
             params = sum(self.param_bytes(a, b) for a, b in own)
+            frozen = sum(self.frozen_bytes(a, b) for a, b in own)
             layers = sum(b - a for a, b in own)
             plans.append(
                 StagePlan(
@@ -417,9 +436,9 @@ class Candidate:
                     early_s=tuple(self.early_s(k, b) for k, b in outs),
                     send_link=link.kind if pp > 1 else None,
                     send_gbps=link.gbps if pp > 1 else 0.0,
-                    sync_s=self.sync_s(s, params, layers),
-                    exposed_sync_s=self.exposed_sync_s(s, params, layers, sum(forward) + sum(backward)),
-                    update_s=self.update_s(params, layers),
+                    sync_s=self.sync_s(s, params, layers, frozen),
+                    exposed_sync_s=self.exposed_sync_s(s, params, layers, sum(forward) + sum(backward), frozen),
+                    update_s=self.update_s(params, layers, frozen),
                     closing_s=self.closing_s,
                     memory_gb=self.memory_bytes(s, params, own, level) / GB,
                     checkpointing=self.checkpointing[level],

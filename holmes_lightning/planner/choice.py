@@ -365,6 +365,7 @@ def on_shared_cores(
             len(stage.ranks),
             sum(profile.layers[i].param_bytes for i in stage.layers),
             pipelined=planned.is_pipelined,
+            frozen_bytes=sum(profile.layers[i].frozen_bytes for i in stage.layers),
         )
         for stage in planned.stages
     )

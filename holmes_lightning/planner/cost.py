@@ -26,10 +26,25 @@ def sync_passes(sharding: Sharding, backend: Backend, *, pipelined: bool) -> int
     return (2 if reshards_after_forward(pipelined=pipelined) else 1) + (2 if backend == Backend.gloo else 1)
 
 
-def sync_bytes(sharding: Sharding, backend: Backend, group_size: int, param_bytes: float, *, pipelined: bool) -> float:
-    """Bytes each rank of a DP group of `group_size` sends in a step's sync for a stage holding `param_bytes`."""
+def gradient_passes(sharding: Sharding, backend: Backend) -> int:
+    """Of `sync_passes`, those that move gradients: all but FSDP's all-gathers of the weights."""
+    return (2 if backend == Backend.gloo else 1) if sharding is Sharding.fsdp else 2
+
+
+def sync_bytes(
+    sharding: Sharding,
+    backend: Backend,
+    group_size: int,
+    param_bytes: float,
+    *,
+    pipelined: bool,
+    frozen_bytes: float = 0.0,
+) -> float:
+    """Bytes each rank of a DP group of `group_size` sends in a step's sync for a stage holding `param_bytes`, of
+    which `frozen_bytes` have no gradients (gathered, never reduced)."""
     n = group_size
-    return sync_passes(sharding, backend, pipelined=pipelined) * (n - 1) / n * param_bytes
+    moved = sync_passes(sharding, backend, pipelined=pipelined) * (n - 1) / n * param_bytes
+    return moved - gradient_passes(sharding, backend) * (n - 1) / n * frozen_bytes if frozen_bytes else moved
 
 
 NON_NEGATIVE: Check = (lambda value: value >= 0, "use seconds >= 0")
@@ -189,9 +204,13 @@ class CostModel:
             return self.machine.fsdp_reshard_layer_s
         return self.machine.fsdp_layer_s
 
-    def update_s(self, param_bytes: float, dp: int, *, layers: int = 0, pipelined: bool = True) -> float:
-        """The optimizer step over the parameters one rank of a stage holds (its shard under FSDP), of `layers`."""
-        held = param_bytes / dp if self.sharding is Sharding.fsdp else param_bytes
+    def update_s(
+        self, param_bytes: float, dp: int, *, layers: int = 0, pipelined: bool = True, frozen_bytes: float = 0.0
+    ) -> float:
+        """The optimizer step over the parameters one rank of a stage holds (its shard under FSDP), of `layers`;
+        `frozen_bytes` of them do not train."""
+        trained = param_bytes - frozen_bytes if frozen_bytes else param_bytes
+        held = trained / dp if self.sharding is Sharding.fsdp else trained
         on_dtensors = dp > 1 and (self.sharding is Sharding.fsdp or not pipelined)
         return self.machine.optimizer_s_per_gb * held / 1e9 + (
             self.machine.fsdp_optimizer_layer_s * layers if on_dtensors else 0.0
@@ -209,18 +228,22 @@ class CostModel:
         layers: int = 1,
         pipelined: bool = True,
         share: bool = False,
+        frozen_bytes: float = 0.0,
     ) -> float:
         """Seconds of one step's collectives over a DP group of this size whose slowest link is `link`, for a stage
-        of `layers` layers holding `param_bytes`; `share`: what part of a stage these add at least (linear in them,
-        replicas' buckets counted in fractions), so shares of a stage's parts sum to at most its sync."""
+        of `layers` layers holding `param_bytes` (`frozen_bytes` of them without gradients); `share`: what part of a
+        stage these add at least (linear in them, replicas' buckets counted in fractions), so shares of a stage's
+        parts sum to at most its sync."""
         n = group_size
         if n == 1:
             return 0.0
-        seconds = sync_bytes(self.sharding, self.backend, n, param_bytes, pipelined=pipelined) / link.bytes_per_s
+        moved = sync_bytes(self.sharding, self.backend, n, param_bytes, pipelined=pipelined, frozen_bytes=frozen_bytes)
+        seconds = moved / link.bytes_per_s
         if self.sharding is Sharding.fsdp:
             passes = sync_passes(self.sharding, self.backend, pipelined=pipelined)
             return seconds + passes * (n - 1) * layers * self.machine.latency_s
-        buckets = param_bytes / BUCKET_BYTES if share else math.ceil(param_bytes / BUCKET_BYTES)
+        trained = param_bytes - frozen_bytes if frozen_bytes else param_bytes
+        buckets = trained / BUCKET_BYTES if share else math.ceil(trained / BUCKET_BYTES)
         collectives = buckets if pipelined else layers
         return seconds + collectives * 2 * (n - 1) * self.machine.latency_s
 
@@ -254,8 +277,11 @@ class CostModel:
         messages = 2 * (world_size - 1) if self.backend is Backend.gloo else 2 * math.ceil(math.log2(world_size))
         return messages * self.machine.latency_s
 
-    def memory_bytes(self, param_bytes: float, *, dp: int, stash_bytes: float, pipelined: bool) -> float:
-        """Peak bytes per device of a stage whose `dp` ranks hold `param_bytes` and keep `stash_bytes` of activations.
+    def memory_bytes(
+        self, param_bytes: float, *, dp: int, stash_bytes: float, pipelined: bool, frozen_bytes: float = 0.0
+    ) -> float:
+        """Peak bytes per device of a stage whose `dp` ranks hold `param_bytes` and keep `stash_bytes` of activations;
+        of the parameters, `frozen_bytes` hold only their weights (no gradients or optimizer states).
 
         FSDP shards weights, gradients and optimizer states over the DP group, and holds unsharded copies besides:
         in a pipeline the stage's whole weights stay gathered for the step and its gradients accumulate unsharded
@@ -266,8 +292,12 @@ class CostModel:
         sharded = self.sharding is Sharding.fsdp and dp > 1
         held = param_bytes / dp if sharded else param_bytes
         total = held * self.state_multiplier + stash_bytes
+        if frozen_bytes:
+            total -= (frozen_bytes / dp if sharded else frozen_bytes) * (self.state_multiplier - 1)
         if sharded:
             total += 2 * (param_bytes if pipelined else min(param_bytes, 2 * self.largest_layer_bytes))
+            if frozen_bytes:  # their unsharded gradients
+                total -= frozen_bytes if pipelined else min(frozen_bytes, 2 * self.largest_layer_bytes)
         return total
 
     @cached_property

@@ -54,6 +54,7 @@ def _joined(layers: tuple[LayerProfile, ...]) -> LayerProfile:
         forward_flops=sum(layer.forward_flops for layer in layers),
         backward_flops=backward_flops,
         param_bytes=sum(layer.param_bytes for layer in layers),
+        frozen_bytes=sum(layer.frozen_bytes for layer in layers),
         activation_bytes=layers[-1].activation_bytes,
         stash_bytes=sum(layer.stash_bytes for layer in layers),
         forward_s=sum(layer.forward_s for layer in layers) if measured else None,

@@ -502,7 +502,8 @@ class _Search:
         tail = 0.0
         if chunk == self.chunks - 1:  # its last chunk: the stage is complete
             work = path.stage_work[stage][-1] + forward + backward + weight
-            tail = c.tail_s(stage, params, sum(b - a for a, b in ranges), work)
+            frozen = sum(c.frozen_bytes(a, b) for a, b in ranges)
+            tail = c.tail_s(stage, params, sum(b - a for a, b in ranges), work, frozen)
         return forward, backward, c.send_s(v, stop), tail, weight
 
     def _load_s(self, path: _Path, child: _Child) -> float:

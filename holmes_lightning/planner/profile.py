@@ -27,6 +27,8 @@ class LayerProfile:
     `activation_bytes` its output (what a pipeline stage boundary after it sends), `stash_bytes` what autograd keeps
     for the backward pass. `weight_flops`: of `backward_flops`, those of the weight gradients (what a zero-bubble
     schedule runs apart); None: half of them in a layer with weights (a matrix multiply's two gradients cost alike).
+    `frozen_bytes`: of `param_bytes`, those of parameters that do not train (`requires_grad=False`): no gradients,
+    optimizer states or gradient sync, only the weights and their gathering.
     """
 
     name: str
@@ -38,6 +40,11 @@ class LayerProfile:
     forward_s: float | None = None
     backward_s: float | None = None
     weight_flops: float | None = None
+    frozen_bytes: float = 0.0
+
+    @property
+    def trained_bytes(self) -> float:
+        return self.param_bytes - self.frozen_bytes if self.frozen_bytes else self.param_bytes
 
     @property
     def measured(self) -> bool:
@@ -80,6 +87,10 @@ class ModelProfile:
     @property
     def param_bytes(self) -> float:
         return sum(layer.param_bytes for layer in self.layers)
+
+    @property
+    def trained_bytes(self) -> float:
+        return sum(layer.trained_bytes for layer in self.layers)
 
     def input_of(self, index: int) -> float:
         """Bytes per sample of layer `index`'s input: the previous layer's output, or the model's inputs."""

@@ -244,7 +244,9 @@ def balanced_partition(candidate: Candidate) -> tuple[int, ...]:
         down = c.send_s(v - 1, start) if v else 0.0
         seconds = passes + walk.waits_s(forward, backward - c.weight_s(stage, start, stop), c.send_s(v, stop), down)
         if c.chunks == 1:  # and what follows its last backward
-            seconds += c.tail_s(stage, c.param_bytes(start, stop), stop - start, forward + backward)
+            seconds += c.tail_s(
+                stage, c.param_bytes(start, stop), stop - start, forward + backward, c.frozen_bytes(start, stop)
+            )
         return passes, seconds
 
     return _least_busiest(c.virtual, c.num_layers, 1, busy)
@@ -259,7 +261,8 @@ def balanced_stages(candidate: Candidate) -> tuple[int, ...]:
 
     def busy(stage: int, start: int, stop: int) -> tuple[float, float]:
         passes = c.forward_s(stage, start, stop) + c.backward_s(stage, start, stop)
-        return m * passes, m * passes + c.tail_s(stage, c.param_bytes(start, stop), stop - start, passes)
+        tail = c.tail_s(stage, c.param_bytes(start, stop), stop - start, passes, c.frozen_bytes(start, stop))
+        return m * passes, m * passes + tail
 
     return split_chunks(_least_busiest(c.layout.pp, c.num_layers, c.chunks, busy), c.located)
 
