@@ -385,7 +385,8 @@ def load(
     for i, optimizer in enumerate(optimizers):
         with _without_empty_groups(optimizer):
             set_optimizer_state_dict(module, optimizer, templates[i] | state[f"optimizer_{i}"], options=OPTIONS)
-        _forget_unsaved(module, optimizer, stored[i])
+        unsaved = {_owner(name) for name in templates[i] if not _held(name, stored[i])}
+        _forget(module, optimizer, unsaved)
     rng = path / rng_file(rank)
     same_job = saved.world_size == plan.world_size and rng.is_file()
     return torch.load(path / _METADATA_FILENAME, weights_only=False), torch.load(
@@ -400,24 +401,25 @@ def _model_key(saved_keys: Collection[str]) -> str:
 
 def _parameters_with_state(saved_keys: Collection[str], prefix: str) -> set[str]:
     """The parameters that the optimizer state saved under `prefix` holds a state for (`state.<parameter>.<name>`)."""
-    return {
-        name.removeprefix(f"{prefix}state.").rpartition(".")[0]
-        for name in saved_keys
-        if name.startswith(f"{prefix}state.")
-    }
+    return {_owner(name.removeprefix(prefix)) for name in saved_keys if name.startswith(f"{prefix}state.")}
 
 
 def _held(template_key: str, stored: set[str]) -> bool:
     """Whether the checkpoint holds this key of an optimizer's flattened state: param groups always, a parameter's
     state where it was saved with one (not one frozen then, unfrozen since)."""
-    return not template_key.startswith("state.") or template_key.removeprefix("state.").rpartition(".")[0] in stored
+    return not template_key.startswith("state.") or _owner(template_key) in stored
 
 
-def _forget_unsaved(module: nn.Module, optimizer: Optimizer, stored: set[str]) -> None:
-    """Drop the state that torch's loading made up (a zero-gradient step) for parameters that the checkpoint holds
-    none for: they start afresh at their first step, as after torch's `Optimizer.load_state_dict`."""
-    for name, parameter in module.named_parameters():
-        if name not in stored:
+def _owner(template_key: str) -> str:
+    """The parameter of a flattened optimizer state key (`state.<parameter>.<name>`)."""
+    return template_key.removeprefix("state.").rpartition(".")[0]
+
+
+def _forget(module: nn.Module, optimizer: Optimizer, unsaved: set[str]) -> None:
+    """Drop the state that torch's loading made up (a zero-gradient step) for the parameters `unsaved`, which the
+    checkpoint holds none for: they start afresh at their first step, as after torch's `Optimizer.load_state_dict`."""
+    for name, parameter in module.named_parameters() if unsaved else ():
+        if name in unsaved:
             optimizer.state.pop(parameter, None)
 
 

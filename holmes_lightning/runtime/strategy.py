@@ -431,6 +431,9 @@ class HolmesStrategy(ModelParallelStrategy):
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        if self.pipeline is None:  # the whole model here, as in one process
+            super().setup_optimizers(trainer)
+            return
         with _frozen_stage_shown_trainable(self.lightning_module):
             super().setup_optimizers(trainer)
 
