@@ -44,7 +44,7 @@ def sync_bytes(
     which `frozen_bytes` have no gradients (gathered, never reduced)."""
     n = group_size
     moved = sync_passes(sharding, backend, pipelined=pipelined) * (n - 1) / n * param_bytes
-    return moved - gradient_passes(sharding, backend) * (n - 1) / n * frozen_bytes if frozen_bytes else moved
+    return moved - gradient_passes(sharding, backend) * (n - 1) / n * frozen_bytes
 
 
 NON_NEGATIVE: Check = (lambda value: value >= 0, "use seconds >= 0")
@@ -209,7 +209,7 @@ class CostModel:
     ) -> float:
         """The optimizer step over the parameters one rank of a stage holds (its shard under FSDP), of `layers`;
         `frozen_bytes` of them do not train."""
-        trained = param_bytes - frozen_bytes if frozen_bytes else param_bytes
+        trained = param_bytes - frozen_bytes
         held = trained / dp if self.sharding is Sharding.fsdp else trained
         on_dtensors = dp > 1 and (self.sharding is Sharding.fsdp or not pipelined)
         return self.machine.optimizer_s_per_gb * held / 1e9 + (
@@ -242,7 +242,7 @@ class CostModel:
         if self.sharding is Sharding.fsdp:
             passes = sync_passes(self.sharding, self.backend, pipelined=pipelined)
             return seconds + passes * (n - 1) * layers * self.machine.latency_s
-        trained = param_bytes - frozen_bytes if frozen_bytes else param_bytes
+        trained = param_bytes - frozen_bytes
         buckets = trained / BUCKET_BYTES if share else math.ceil(trained / BUCKET_BYTES)
         collectives = buckets if pipelined else layers
         return seconds + collectives * 2 * (n - 1) * self.machine.latency_s
@@ -291,13 +291,11 @@ class CostModel:
         """
         sharded = self.sharding is Sharding.fsdp and dp > 1
         held = param_bytes / dp if sharded else param_bytes
-        total = held * self.state_multiplier + stash_bytes
-        if frozen_bytes:
-            total -= (frozen_bytes / dp if sharded else frozen_bytes) * (self.state_multiplier - 1)
-        if sharded:
+        frozen = frozen_bytes / dp if sharded else frozen_bytes  # no gradients or optimizer states
+        total = held * self.state_multiplier + stash_bytes - frozen * (self.state_multiplier - 1)
+        if sharded:  # unsharded weights and gradients (none for the frozen ones)
             total += 2 * (param_bytes if pipelined else min(param_bytes, 2 * self.largest_layer_bytes))
-            if frozen_bytes:  # their unsharded gradients
-                total -= frozen_bytes if pipelined else min(frozen_bytes, 2 * self.largest_layer_bytes)
+            total -= frozen_bytes if pipelined else min(frozen_bytes, 2 * self.largest_layer_bytes)
         return total
 
     @cached_property

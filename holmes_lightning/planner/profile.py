@@ -44,7 +44,7 @@ class LayerProfile:
 
     @property
     def trained_bytes(self) -> float:
-        return self.param_bytes - self.frozen_bytes if self.frozen_bytes else self.param_bytes
+        return self.param_bytes - self.frozen_bytes
 
     @property
     def measured(self) -> bool:
