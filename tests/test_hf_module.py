@@ -207,3 +207,18 @@ def test_the_export_is_a_directory_from_pretrained_loads(tmp_path, family: str) 
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
     tied = loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight
     assert tied == trained.hf_model.config.tie_word_embeddings
+
+
+def test_a_peft_model_built_on_meta_is_refused_and_one_built_whole_keeps_its_adapter() -> None:
+    """On meta, every weight would come from HF's `_init_weights`: LoRA's B matrices random where peft makes them
+    zero, so the adapter would change the model before any step."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=2, target_modules=["q_proj", "v_proj"])
+    with torch.device("meta"):
+        on_meta = get_peft_model(tf.AutoModelForCausalLM.from_config(TINY_CONFIGS["llama"]()), lora)
+    with pytest.raises(ValueError, match="peft model built on the meta device"):
+        HFCausalLM(on_meta)
+    whole = HFCausalLM(get_peft_model(tf.AutoModelForCausalLM.from_config(TINY_CONFIGS["llama"]()), lora))
+    adapters = [p for name, p in whole.named_parameters() if "lora_B" in name]
+    assert adapters and all(not p.any() for p in adapters)

@@ -69,6 +69,7 @@ class HFCausalLM(L.LightningModule):
         self.save_hyperparameters(ignore="source")
         self.pretrained: SafetensorsCheckpoint | None = None
         if isinstance(source, nn.Module):
+            _check_adapter_materialised(source)
             hf_model = source
         elif isinstance(source, PretrainedConfig):
             hf_model = AutoModelForCausalLM.from_config(source)
@@ -209,6 +210,17 @@ class HFCausalLM(L.LightningModule):
 def _adapter_name(hf_model: nn.Module) -> str | None:
     """The active adapter of a peft model (`get_peft_model`), else None."""
     return getattr(hf_model, "active_adapter", None) if hasattr(hf_model, "peft_config") else None
+
+
+def _check_adapter_materialised(hf_model: nn.Module) -> None:
+    """A peft model built on the meta device would get its weights from HF's `_init_weights` layer by layer, the
+    adapter's too (LoRA's B matrices random where peft makes them zero): refused."""
+    if _adapter_name(hf_model) is not None and any(p.is_meta for p in hf_model.parameters()):
+        raise ValueError(
+            "HFCausalLM got a peft model built on the meta device: its adapter would be filled as HF initialises "
+            "weights, not as peft does (LoRA's B matrices start at zero); build the base model on a real device "
+            "(e.g. AutoModelForCausalLM.from_pretrained), then get_peft_model, then HFCausalLM"
+        )
 
 
 def _local_directory(source: str | os.PathLike) -> Path:
