@@ -176,12 +176,12 @@ class HFCausalLM(L.LightningModule):
         """Write the HF tensors of these pipeline layers (layer index -> full state dict) as part `part` of `parts`:
         each HF key once, by the first layer of the model that holds it (a tied weight by its first holder). Of a
         peft model (LoRA, ...), only its adapter's tensors, which are returned to `finish_pretrained` unwritten."""
-        state = hf_state_dict(self.layer_hf_keys, layer_states)
-        if _adapter_name(self.hf_model) is not None:
+        state, adapter = hf_state_dict(self.layer_hf_keys, layer_states), _adapter_name(self.hf_model)
+        if adapter is not None:
             from peft.utils import get_peft_model_state_dict
 
-            adapter = get_peft_model_state_dict(self.hf_model, state, _adapter_name(self.hf_model))
-            return {key: tensor.detach().to("cpu") for key, tensor in adapter.items()}
+            tensors = get_peft_model_state_dict(self.hf_model, state, adapter)
+            return {key: tensor.detach().to("cpu") for key, tensor in tensors.items()}
         name = write_part(directory, state, part=part, parts=parts)
         return {key: WrittenTensor(name, t.numel() * t.element_size(), str(t.dtype)) for key, t in state.items()}
 
