@@ -5,7 +5,7 @@ directory).
 
 pp=2 x dp=2 (Lightning's launcher starts the 4 processes), dict batches from a DataLoader that splits its data with
 `DistributedSampler(**trainer.strategy.distributed_sampler_kwargs)`, no `example_input_array`. FAMILY+lora: that
-model with a LoRA adapter (peft) on its attention's query and value projections, the rest frozen. Rows are padded on
+model with a DoRA adapter (peft) on its attention's query and value projections, the rest frozen. Rows are padded on
 the `PADDING` side ("right" or "left") with `labels=-100` there and at a few other places. Each rank writes
 OUT/rank<N>.json: its per-step losses, and the tied embedding's values where it holds a copy; then every rank saves
 the trained model with `trainer.strategy.save_hf(OUT/hf)`. With PRETRAINED_DIR the model is built on the meta device
@@ -67,16 +67,18 @@ CONFIGS = {  # no dropout: one process and the pipeline then compute alike
 }
 
 
-def source(family: str) -> Any:
-    """What `family` builds from: its config, or for "FAMILY+lora" that model with a LoRA adapter (peft), whose B
-    matrices start random so that the adapter changes the logits from the first step."""
-    base, _, adapter = family.partition("+")
-    if not adapter:
-        return CONFIGS[family]()
-    from peft import LoraConfig, get_peft_model
+def config(family: str) -> tf.PretrainedConfig:
+    """The config of `family`, with or without "+lora"."""
+    return CONFIGS[family.partition("+")[0]]()
 
-    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False)
-    return get_peft_model(tf.AutoModelForCausalLM.from_config(CONFIGS[base]()), lora)
+
+def adapter(family: str) -> Any:
+    """For "FAMILY+lora", the adapter's peft config (LoRA's weight-decomposed variant, DoRA), else None."""
+    if not family.endswith("+lora"):
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, use_dora=True)
 
 
 class PaddedTokens(Dataset):
@@ -107,8 +109,8 @@ class PaddedTokens(Dataset):
 class MyCausalLM(HFCausalLM):
     """An HF causal LM with the data loading a Lightning user writes."""
 
-    def __init__(self, source: Any, padding: str) -> None:
-        super().__init__(source, learning_rate=3e-3)
+    def __init__(self, source: Any, padding: str, peft_config: Any = None) -> None:
+        super().__init__(source, peft_config=peft_config, learning_rate=3e-3)
         self.padding = padding
 
     def train_dataloader(self) -> DataLoader:
@@ -150,7 +152,7 @@ def main(family: str, schedule: str, padding: str, out: str, pretrained: str | N
         enable_model_summary=False,
     )
     with trainer.init_module(empty_init=pretrained is not None):
-        model = MyCausalLM(pretrained or source(family), padding)
+        model = MyCausalLM(pretrained or config(family), padding, peft_config=adapter(family))
     trainer.fit(model)
     result = {"losses": losses.losses, "tied": tied_copy(model), "plan": [len(s.layers) for s in strategy.plan.stages]}
     Path(out).mkdir(parents=True, exist_ok=True)

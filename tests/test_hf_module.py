@@ -209,16 +209,49 @@ def test_the_export_is_a_directory_from_pretrained_loads(tmp_path, family: str) 
     assert tied == trained.hf_model.config.tie_word_embeddings
 
 
-def test_a_peft_model_built_on_meta_is_refused_and_one_built_whole_keeps_its_adapter() -> None:
-    """On meta, every weight would come from HF's `_init_weights`: LoRA's B matrices random where peft makes them
-    zero, so the adapter would change the model before any step."""
+def test_a_lora_adapter_on_meta_starts_from_a_pretrained_directory_as_peft_makes_it(tmp_path) -> None:
+    """`HFCausalLM(directory, peft_config=...)` on meta, each layer filled as a rank fills its stage, equals it built
+    whole, and equals peft's own `get_peft_model(from_pretrained(directory))` but for LoRA's random A matrices: B at
+    zero, DoRA's magnitudes the loaded weights' norms, the `modules_to_save` copy the loaded head; so it starts at
+    the pretrained model's logits (HF's `_init_weights` made B random, the magnitudes and the copy anything)."""
     from peft import LoraConfig, get_peft_model
 
-    lora = LoraConfig(r=2, target_modules=["q_proj", "v_proj"])
+    model = fresh_model("qwen2")  # untied head: its trained copy has an original of its own
+    model.save_pretrained(tmp_path)
+    lora = LoraConfig(r=2, target_modules=["q_proj", "v_proj"], use_dora=True, modules_to_save=["lm_head"])
     with torch.device("meta"):
-        on_meta = get_peft_model(tf.AutoModelForCausalLM.from_config(TINY_CONFIGS["llama"]()), lora)
-    with pytest.raises(ValueError, match="peft model built on the meta device"):
-        HFCausalLM(on_meta)
-    whole = HFCausalLM(get_peft_model(tf.AutoModelForCausalLM.from_config(TINY_CONFIGS["llama"]()), lora))
-    adapters = [p for name, p in whole.named_parameters() if "lora_B" in name]
+        lm = HFCausalLM(tmp_path, peft_config=lora)
+    materialize_all(lm)
+    torch.manual_seed(SEED)
+    whole = HFCausalLM(tmp_path, peft_config=lora)
+    for (name, expected), actual in zip(whole.state_dict().items(), lm.state_dict().values(), strict=True):
+        assert torch.equal(actual, expected), name
+    peft_own = dict(get_peft_model(tf.AutoModelForCausalLM.from_pretrained(tmp_path), lora).named_parameters())
+    built = dict(lm.hf_model.named_parameters())
+    assert {n: p.requires_grad for n, p in built.items()} == {n: p.requires_grad for n, p in peft_own.items()}
+    for name, parameter in built.items():
+        if "lora_A" not in name:
+            assert torch.equal(parameter, peft_own[name]), name
+    batch = token_batch()
+    with torch.no_grad():
+        expected = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        torch.testing.assert_close(lm.eval()(batch["input_ids"], batch["attention_mask"]), expected)
+
+
+def test_a_peft_model_built_on_meta_gets_its_lora_adapter_as_with_peft_config_and_other_adapters_are_refused() -> None:
+    from peft import IA3Config, LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=2, target_modules=["q_proj", "v_proj"])
+    torch.manual_seed(SEED)
+    whole = HFCausalLM(TINY_CONFIGS["llama"](), peft_config=lora)
+    with torch.device("meta"):
+        lm = HFCausalLM(get_peft_model(tf.AutoModelForCausalLM.from_config(TINY_CONFIGS["llama"]()), lora))
+    materialize_all(lm)
+    for (name, expected), actual in zip(whole.state_dict().items(), lm.state_dict().values(), strict=True):
+        assert torch.equal(actual, expected), name
+    adapters = [p for name, p in lm.named_parameters() if "lora_B" in name]
     assert adapters and all(not p.any() for p in adapters)
+    with pytest.raises(ValueError, match="and only LoRA adapters with them; this one is"):
+        HFCausalLM(TINY_CONFIGS["llama"](), peft_config=IA3Config(target_modules=["q_proj"], feedforward_modules=[]))
+    with pytest.raises(ValueError, match="already has an adapter"):
+        HFCausalLM(whole.hf_model, peft_config=lora)

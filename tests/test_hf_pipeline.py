@@ -35,8 +35,8 @@ CASES = [
     ("gptj", "1F1B", "left"),  # position ids cross the stages: torch's shape inference runs stage 1 on them
     ("bloom", "1F1B", "left"),  # every stage builds ALiBi biases from the padding mask it is passed
 ]
-LORA = ("llama+lora", "ZBVZeroBubble", "right")  # frozen weights, the embedding and head without an adapter
 PRETRAINED = ("llama", "GPipe", "right")  # the same launch, built from a saved directory: each rank loads its stage
+LORA = ("llama+lora", "ZBVZeroBubble", "right")  # from the directory too: frozen weights, the ends without an adapter
 ENV_SECONDS = {"HOLMES_CALIBRATION_SECONDS": "0.05", "OMP_NUM_THREADS": "1"}
 
 
@@ -60,12 +60,13 @@ def rank_results(out: str | Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def every_case(tmp_path_factory) -> Path:
-    """All of `CASES`, then `PRETRAINED` from a directory saved here, trained one after another by one launch of the
-    script (its ranks start once)."""
+    """All of `CASES`, then `PRETRAINED` and `LORA` from a directory saved here, trained one after another by one
+    launch of the script (its ranks start once)."""
     out = tmp_path_factory.mktemp("hf_cases")
     torch.manual_seed(0)
     tf.AutoModelForCausalLM.from_config(hf_script.CONFIGS[PRETRAINED[0]]()).save_pretrained(out / "pretrained")
-    cases = [",".join(case) for case in (*CASES, LORA)] + [",".join((*PRETRAINED, str(out / "pretrained")))]
+    cases = [",".join(case) for case in CASES]
+    cases += [",".join((*case, str(out / "pretrained"))) for case in (PRETRAINED, LORA)]
     run_script("--cases", str(out), *cases, cwd=str(out))
     return out
 
@@ -74,7 +75,9 @@ def reference(family: str, padding: str, source: object = None) -> tuple[list[fl
     """Per-step losses of one process on the global batches in the pipeline's order (each replica's sampler, shuffle
     off, takes rows d, d + 2, ...: together the next 8 rows), and the trained model."""
     L.seed_everything(hf_script.SEED)
-    model, losses = HFItself(source or hf_script.source(family), learning_rate=3e-3), hf_script.StepLosses()
+    source = source or hf_script.config(family)
+    model = HFItself(source, peft_config=hf_script.adapter(family), learning_rate=3e-3)
+    losses = hf_script.StepLosses()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -113,18 +116,22 @@ def test_an_hf_model_trains_across_the_clusters_as_in_one_process(family, schedu
 
 
 @pytest.mark.slow
-def test_a_lora_adapter_trains_as_in_one_process_and_saves_as_peft_does(every_case):
-    """The LoRA matrices train, the frozen weights stay as they are, and `save_hf` writes the adapter as peft does
-    (it wrote the peft model's keys as a model's, which `from_pretrained` filled at random)."""
+def test_a_lora_adapter_on_a_pretrained_model_trains_as_in_one_process_and_saves_as_peft_does(every_case):
+    """Built on meta from a directory, each rank loading its stage's weights and making its stage's adapter, it
+    starts at the pretrained model's loss (DoRA's magnitudes from the weights loaded, LoRA's B at zero) and trains
+    as in one process; `save_hf` writes the adapter as peft does (before: the peft model's keys as a model's, which
+    `from_pretrained` filled at random)."""
     from peft import PeftModel
 
-    out = Path(hf_script.case_dir(str(every_case), *LORA))
-    expected, trained = reference(LORA[0], LORA[2])
+    pretrained = every_case / "pretrained"
+    out = Path(hf_script.case_dir(str(every_case), *LORA, str(pretrained)))
+    expected, trained = reference(LORA[0], LORA[2], source=pretrained)
+    batch = next(iter(DataLoader(hf_script.PaddedTokens(LORA[2]), batch_size=hf_script.GLOBAL_BATCH)))
+    with torch.no_grad():
+        assert expected[0] == pytest.approx(float(tf.AutoModelForCausalLM.from_pretrained(pretrained)(**batch).loss))
     for rank in rank_results(out):
         assert rank["losses"] == pytest.approx(expected, rel=1e-4), rank
-    L.seed_everything(hf_script.SEED)  # the base model as the script built it, before its adapter
-    base = tf.AutoModelForCausalLM.from_config(hf_script.CONFIGS[LORA[0].partition("+")[0]]())
-    saved = PeftModel.from_pretrained(base, out / "hf").eval()
+    saved = PeftModel.from_pretrained(tf.AutoModelForCausalLM.from_pretrained(pretrained), out / "hf").eval()
     batch = next(iter(DataLoader(hf_script.PaddedTokens(LORA[2]), batch_size=4)))
     inputs = {key: batch[key] for key in ("input_ids", "attention_mask")}
     with torch.no_grad():

@@ -10,6 +10,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
@@ -28,7 +29,7 @@ from holmes_lightning.hf.checkpoint import (
     write_index,
     write_part,
 )
-from holmes_lightning.hf.structure import hf_pipeline_layers
+from holmes_lightning.hf.structure import hf_pipeline_layers, keys_by_tensor
 
 IGNORE_INDEX = -100  # labels HF's loss does not count
 
@@ -55,12 +56,18 @@ class HFCausalLM(L.LightningModule):
     safetensors). Build it under the meta device (`with torch.device("meta"):`) and HolmesStrategy allocates only a
     rank's layers and fills them with `init_layer`. The HF model (`hf_model`) is not a registered submodule: its
     tensors are those of `layers`, the pipeline layers, which the strategy keeps or drops per stage.
+
+    `peft_config`: an adapter (peft's `LoraConfig`, ...) to wrap the model in with `get_peft_model`, which then
+    trains the adapter alone. Where the model's weights are initialised here (from a config or directory, or on the
+    meta device), each layer's LoRA adapter is initialised after its base weights, as peft does: LoRA's B at zero,
+    DoRA's magnitudes from the loaded weights, `modules_to_save` copies from their originals.
     """
 
     def __init__(
         self,
         source: nn.Module | PretrainedConfig | str | os.PathLike,
         *,
+        peft_config: Any = None,
         learning_rate: float = 3e-4,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -69,7 +76,6 @@ class HFCausalLM(L.LightningModule):
         self.save_hyperparameters(ignore="source")
         self.pretrained: SafetensorsCheckpoint | None = None
         if isinstance(source, nn.Module):
-            _check_adapter_materialised(source)
             hf_model = source
         elif isinstance(source, PretrainedConfig):
             hf_model = AutoModelForCausalLM.from_config(source)
@@ -77,9 +83,17 @@ class HFCausalLM(L.LightningModule):
             directory = _local_directory(source)
             self.pretrained = SafetensorsCheckpoint(directory)
             hf_model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
+        base_keys = keys_by_tensor(hf_model)  # before an adapter wraps modules: the names checkpoints give them
+        if peft_config is not None:
+            hf_model = _with_adapter(hf_model, peft_config)
+        if not isinstance(source, nn.Module) or any(p.is_meta for p in hf_model.parameters()):
+            _check_adapter_initialisable(hf_model)
         self.__dict__["hf_model"] = hf_model  # unregistered (see the class docstring)
         self.layers = nn.ModuleList(hf_pipeline_layers(hf_model))
         self.layer_hf_keys = [layer.hf_keys for layer in self.layers]  # kept when the strategy drops layers
+        for layer in self.layers if self.pretrained else ():  # the keys the directory holds: none for an adapter's
+            tensors = layer.state_dict(keep_vars=True).items()
+            layer.base_keys = {n: base_keys[id(t)] for n, t in tensors if id(t) in base_keys}
         if not isinstance(source, nn.Module):
             init_layers(self)  # each layer from its own seed, or from the checkpoint; on meta, the strategy does it
 
@@ -99,11 +113,12 @@ class HFCausalLM(L.LightningModule):
     def init_layer(self, layer: nn.Module) -> None:
         """Fill one pipeline layer: from the checkpoint when built from one, else with HF's `_init_weights` over its
         modules, children first as in HF's `initialize_weights` (a tied weight keeps its first holder's values, as HF
-        initialises it once: `init_layers` sees to that)."""
+        initialises it once: `init_layers` sees to that). Then its adapter, from those weights, as peft does."""
         if self.pretrained is None:
             layer.apply(self.hf_model._init_weights)
         else:
             self._load(layer)
+        _init_adapters(layer, getattr(self.hf_model, "peft_config", {}))
 
     def _load(self, layer: nn.Module) -> None:
         """The layer's tensors from the checkpoint; those no checkpoint holds (rotary frequencies, embedding scales:
@@ -112,7 +127,7 @@ class HFCausalLM(L.LightningModule):
             if module._non_persistent_buffers_set:
                 self.hf_model._init_weights(module)
         tensors = layer.state_dict(keep_vars=True)
-        for name, value in self.pretrained.read(layer.hf_keys).items():
+        for name, value in self.pretrained.read(layer.base_keys).items():
             tensors[name].copy_(value)
 
     def forward(
@@ -212,15 +227,49 @@ def _adapter_name(hf_model: nn.Module) -> str | None:
     return getattr(hf_model, "active_adapter", None) if hasattr(hf_model, "peft_config") else None
 
 
-def _check_adapter_materialised(hf_model: nn.Module) -> None:
-    """A peft model built on the meta device would get its weights from HF's `_init_weights` layer by layer, the
-    adapter's too (LoRA's B matrices random where peft makes them zero): refused."""
-    if _adapter_name(hf_model) is not None and any(p.is_meta for p in hf_model.parameters()):
+def _with_adapter(hf_model: nn.Module, peft_config: Any) -> nn.Module:
+    """`get_peft_model(hf_model, peft_config)`; a model that already has an adapter is refused."""
+    if _adapter_name(hf_model) is not None:
         raise ValueError(
-            "HFCausalLM got a peft model built on the meta device: its adapter would be filled as HF initialises "
-            "weights, not as peft does (LoRA's B matrices start at zero); build the base model on a real device "
-            "(e.g. AutoModelForCausalLM.from_pretrained), then get_peft_model, then HFCausalLM"
+            "HFCausalLM got peft_config for a model that already has an adapter (a peft model): pass the base model "
+            "with peft_config, or the peft model without it"
         )
+    try:
+        from peft import get_peft_model
+    except ImportError as missing:
+        raise ImportError("HFCausalLM(peft_config=...) needs peft: pip install peft") from missing
+    return get_peft_model(hf_model, peft_config)
+
+
+def _check_adapter_initialisable(hf_model: nn.Module) -> None:
+    """Of the adapters of a model whose weights are initialised here, only LoRA's, which `_init_adapters`
+    initialises layer by layer, are accepted."""
+    adapter = _adapter_name(hf_model)
+    kind = hf_model.peft_config[adapter].peft_type if adapter is not None else "LORA"
+    if str(getattr(kind, "value", kind)) != "LORA":
+        raise ValueError(
+            f"HFCausalLM initialises the weights of a model built from a config, a directory or on the meta device "
+            f"layer by layer, and only LoRA adapters with them; this one is {kind}: build the base model on a real "
+            f"device (e.g. AutoModelForCausalLM.from_pretrained), then get_peft_model, then HFCausalLM"
+        )
+
+
+def _init_adapters(layer: nn.Module, peft_configs: Mapping[str, Any]) -> None:
+    """Initialise the adapters in a layer as `get_peft_model` does, from the base weights it now holds: each LoRA
+    adapter made anew by its layer's `update_layer` (B at zero, DoRA's magnitudes the weights' norms, as its config
+    says) and each `modules_to_save` copy from its original."""
+    if not peft_configs:
+        return
+    from peft.tuners.lora import LoraLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    for module in list(layer.modules()):
+        if isinstance(module, LoraLayer):
+            for name in list(module.r):
+                module.update_layer(name, module.r[name], lora_alpha=module.lora_alpha[name], config=peft_configs[name])
+        elif isinstance(module, ModulesToSaveWrapper):
+            for trained in module.modules_to_save.values():
+                trained.load_state_dict(module.original_module.state_dict())
 
 
 def _local_directory(source: str | os.PathLike) -> Path:

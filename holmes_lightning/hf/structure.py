@@ -231,21 +231,27 @@ def _layer_types(name: str, config: PretrainedConfig, count: int) -> list[str]:
     return layer_types
 
 
+def keys_by_tensor(model: nn.Module) -> dict[int, tuple[str, ...]]:
+    """Each tensor's keys in the model's state dict (a tied weight has several), by the tensor's id."""
+    keys: dict[int, list[str]] = defaultdict(list)
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        keys[id(tensor)].append(key)
+    return {tensor: tuple(names) for tensor, names in keys.items()}
+
+
 def _name_hf_keys(hf_model: nn.Module, layers: list[nn.Module]) -> None:
     """Set each layer's `hf_keys`; every tensor the model saves or reads must be in some layer."""
-    keys_by_tensor: dict[int, list[str]] = defaultdict(list)
-    for key, tensor in hf_model.state_dict(keep_vars=True).items():
-        keys_by_tensor[id(tensor)].append(key)
+    saved = keys_by_tensor(hf_model)
     covered = set()
     for layer in layers:
-        layer.hf_keys = {n: tuple(keys_by_tensor[id(t)]) for n, t in layer.state_dict(keep_vars=True).items()}
+        layer.hf_keys = {n: saved.get(id(t), ()) for n, t in layer.state_dict(keep_vars=True).items()}
         covered |= {id(t) for t in chain(layer.parameters(), layer.buffers())}
     stray = [n for n, t in hf_model.state_dict(keep_vars=True).items() if id(t) not in covered]
     # A buffer that is not saved, outside every part, counts where the forward holding it reads it (CTRL's position
     # table), not where it does not (GPT-BigCode's causal-mask table).
     for module in {hf_model, hf_model.get_decoder()}:
         source = _forward_source(module)
-        unsaved = (n for n, t in module.named_buffers(recurse=False) if id(t) not in covered | set(keys_by_tensor))
+        unsaved = (n for n, t in module.named_buffers(recurse=False) if id(t) not in covered | set(saved))
         stray += [n for n in unsaved if re.search(rf"self\.{n}\b", source) or not source]
     if stray:
         raise UnrecognisedModelError(
