@@ -22,7 +22,14 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from holmes_lightning.cli import validate
-from holmes_lightning.cli.config import ConfigError, CrossSite, TrainConfig, error_line, register_configs
+from holmes_lightning.cli.config import (
+    ConfigError,
+    CrossSite,
+    HFModelConfig,
+    TrainConfig,
+    error_line,
+    register_configs,
+)
 from holmes_lightning.cli.data import build_data, check_data
 from holmes_lightning.cli.launch import start_ranks
 from holmes_lightning.cli.models import build_model, check_model, flops_per_sample
@@ -277,6 +284,11 @@ def train(
         default_root_dir=run_dir,
     )
     trainer.fit(model, datamodule=data, ckpt_path=config.resume)  # HolmesStrategy ends its process groups at exit
+    if isinstance(config.model, HFModelConfig) and config.checkpoint.hf:
+        export = os.path.join(run_dir, "hf" if site is None else f"hf-site-{site}")
+        strategy.save_hf(export)
+        if trainer.global_rank == 0:
+            print(f"train.py: the trained model written as an HF directory: {export}", flush=True)
 
 
 def launched_devices(topology: Topology, rank: int) -> dict[str, int]:

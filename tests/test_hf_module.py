@@ -238,6 +238,28 @@ def test_a_lora_adapter_on_meta_starts_from_a_pretrained_directory_as_peft_makes
         torch.testing.assert_close(lm.eval()(batch["input_ids"], batch["attention_mask"]), expected)
 
 
+def test_a_lora_fine_tune_fits_with_a_logger_writing_its_hyperparameters(tmp_path) -> None:
+    """Lightning's loggers write the hyperparameters as YAML, which a peft config is not: it is left out of them, as
+    the source is (it failed as the fit started)."""
+    from peft import LoraConfig
+
+    lm = HFCausalLM(TINY_CONFIGS["llama"](), peft_config=LoraConfig(r=2), learning_rate=1e-2)
+    batch = token_batch()
+    loader = DataLoader([{k: v[i] for k, v in batch.items()} for i in range(3)], batch_size=3)
+    trainer = L.Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        devices=1,
+        logger=L.pytorch.loggers.CSVLogger(tmp_path),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(lm, loader)
+    (hparams,) = tmp_path.glob("**/hparams.yaml")
+    assert "learning_rate: 0.01" in hparams.read_text() and "peft" not in hparams.read_text()
+
+
 def test_a_peft_model_built_on_meta_gets_its_lora_adapter_as_with_peft_config_and_other_adapters_are_refused() -> None:
     from peft import IA3Config, LoraConfig, get_peft_model
 

@@ -1,6 +1,7 @@
 """train.py end to end beyond the GPT (each a multi-process run): the tiny random Llama of `model=hf_llama` across
-two_cluster_mixed, a pretrained HF directory with its tokenizer on a local text file, and a user's own LightningModule
-and LightningDataModule by `_target_`, with arguments added on the command line.
+two_cluster_mixed, a LoRA adapter on a pretrained HF directory with its tokenizer on a local text file (each written
+out as an HF directory at the end), and a user's own LightningModule and LightningDataModule by `_target_`, with
+arguments added on the command line.
 """
 
 from __future__ import annotations
@@ -8,8 +9,11 @@ from __future__ import annotations
 import math
 import os
 import re
+from pathlib import Path
 
 import pytest
+import torch
+import transformers as tf
 import yaml
 from test_train import DEPRECATION, run_train, summary_of
 from test_train_sources import TEXT, pretrained_llama
@@ -71,17 +75,26 @@ def test_hf_llama_from_its_config_trains_across_the_two_clusters(tmp_path):
     steps, first, last, tokens_per_s, tflops = summary_of(out)
     assert steps == 8 and abs(first - math.log(256)) < 0.2  # HF's initialisation: near-uniform over the bytes
     assert last < first - 0.5 and tokens_per_s > 0 and tflops > 0
+    (export,) = tmp_path.glob("*/hf")  # the trained model, as an HF directory: it learnt the bytes of source code
+    assert f"the trained model written as an HF directory: {export}" in out.stdout
+    rows = torch.tensor(list(Path(os.__file__).read_bytes()[:256])).view(2, 128)
+    with torch.no_grad():
+        assert float(tf.AutoModelForCausalLM.from_pretrained(export)(input_ids=rows, labels=rows).loss) < first - 0.3
 
 
 @pytest.mark.slow
 def test_a_pretrained_directory_and_its_tokenizer_train_on_a_text_file(tmp_path):
-    """Its LM head is scaled up, so its first loss is far above a random model's: the weights were read."""
+    """Its LM head is scaled up, so its first loss is far above a random model's: the weights were read. A LoRA
+    adapter (peft's default modules: query and value) trains on it, and is written as peft writes one."""
+    from peft import PeftModel
+
     vocabulary = pretrained_llama(tmp_path / "llama", head_scale=100.0)
     (tmp_path / "corpus.txt").write_text(TEXT * 100)
     out = run_train(
         "cluster=single_node",
         "model=hf_llama",
         f"model.pretrained={tmp_path / 'llama'}",
+        "model.lora.r=4",
         f"data.text_file={tmp_path / 'corpus.txt'}",
         "data.global_batch=8",
         "data.val_fraction=0.2",
@@ -91,6 +104,10 @@ def test_a_pretrained_directory_and_its_tokenizer_train_on_a_text_file(tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     steps, first, last, _, _ = summary_of(out)
     assert steps == 6 and first > 2 * math.log(vocabulary) and last < first
+    (export,) = tmp_path.glob("*/hf")
+    tuned = PeftModel.from_pretrained(tf.AutoModelForCausalLM.from_pretrained(tmp_path / "llama"), export)
+    adapters = {name: p for name, p in tuned.named_parameters() if "lora_B" in name}
+    assert len(adapters) == 2 * 2 and all(p.any() for p in adapters.values())  # q and v of both layers, trained
 
 
 @pytest.mark.slow

@@ -117,6 +117,19 @@ def test_an_hf_model_is_planned_from_its_config():
     assert isinstance(model, HFCausalLM) and all(p.is_meta for p in model.parameters())
 
 
+def test_an_hf_model_with_a_lora_adapter_is_planned_with_its_weights_frozen():
+    """`model.lora.r=4` on the query and value projections: rank-4 A and B matrices train, every other weight is
+    frozen, in the profile the planner gets and in the module the ranks build."""
+    config, arguments = composed("model=hf_llama", "model.lora.r=4", "model.lora.target_modules=[q_proj,v_proj]")
+    profile = check_model(config, arguments["model"], data_vocab=256)
+    h, kv, layers = 64, 32, 4
+    adapter = layers * 4 * ((h * 4 + 4 * h) + (h * 4 + 4 * kv))  # fp32 A (4 x in) and B (out x 4), q and v
+    assert profile.param_bytes - sum(layer.frozen_bytes for layer in profile.layers) == adapter
+    model = build_model(config, arguments["model"])
+    trained = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert len(trained) == 4 * layers and all("lora_" in name for name in trained)
+
+
 def test_the_built_in_data_yields_pairs_for_the_gpt_and_dicts_for_hf_models():
     config, _ = composed("data.corpus_bytes=20000", "data.global_batch=4")
     hf_config, _ = composed("model=hf_llama", "data.corpus_bytes=20000", "data.global_batch=4")
@@ -214,6 +227,9 @@ def empty_dir(tmp_path: Path) -> Path:
         (["model=hf_llama", "+model.width=3"], "+model.width: keys added to model are the arguments of your own"),
         (["model=hf_llama", "data.batch_format=pairs"], "data.batch_format=pairs: model=hf_llama takes dicts; leave"),
         (["data.batch_format=dicts"], "data.batch_format=dicts: model=gpt_tiny takes pairs; leave it null"),
+        (["model=hf_llama", "model.lora.r=-1"], "model.lora.r=-1: must be > 0 for an adapter, or 0 for none"),
+        (["model=hf_llama", "model.lora.r=4", "model.lora.target_modules=[nope]"], "Target modules {{'nope'}} not"),
+        (["model=hf_llama", "model.lora.rank=4"], "Could not override 'model.lora.rank': Key 'rank' not in 'LoraSett"),
     ],
     ids=[
         "no pretrained directory",
@@ -233,6 +249,9 @@ def empty_dir(tmp_path: Path) -> Path:
         "added key to an HF model",
         "pairs for an HF model",
         "dicts for the GPT",
+        "LoRA rank",
+        "LoRA modules",
+        "LoRA typo",
     ],
 )
 def test_train_py_refuses_bad_models_and_data_before_any_rank_starts(

@@ -10,7 +10,7 @@ import lightning as L
 import torch
 from torch.distributed.fsdp import fully_shard
 
-from holmes_lightning.cli.config import HFModelConfig, ModelConfig
+from holmes_lightning.cli.config import HFModelConfig, LoraSettings, ModelConfig
 from holmes_lightning.cli.models import gpt, hf_causal_lm
 from holmes_lightning.measure.profile import profile_modules
 from holmes_lightning.planner import ModelProfile
@@ -55,7 +55,8 @@ class BenchModel:
     def from_spec(cls, spec: dict) -> BenchModel:
         """The model a spec written by `spec()` (a lab rank's or a run's instructions) names."""
         if "hf_model" in spec:
-            return cls(hf=HFModelConfig(**spec["hf_model"]))
+            lora = LoraSettings(**spec["hf_model"]["lora"])
+            return cls(hf=HFModelConfig(**{**spec["hf_model"], "lora": lora}))
         return cls(gpt=ModelConfig(**spec["model"]))
 
     def spec(self) -> dict:

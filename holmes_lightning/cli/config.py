@@ -69,15 +69,35 @@ class ModelConfig:
 
 
 @dataclass
+class LoraSettings:
+    """A LoRA adapter trained in place of the model's weights, which stay frozen: the fields of peft's `LoraConfig`,
+    same names and defaults but `r`, whose default 0 means no adapter. `target_modules`: module names, "all-linear",
+    or null for peft's default for the model's type."""
+
+    r: int = 0
+    lora_alpha: float = 8
+    lora_dropout: float = 0.0
+    target_modules: Any = None
+    use_dora: bool = False
+    use_rslora: bool = False
+    modules_to_save: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.r >= 0, "model.lora.r", self.r, "must be > 0 for an adapter, or 0 for none")
+
+
+@dataclass
 class HFModelConfig:
     """A transformers causal LM trained as `HFCausalLM`: random weights from `config` (an HF config written out,
     `model_type` and its fields), or the local HF directory `pretrained` (its config.json and safetensors weights;
-    `config` is then not used). `seq_len`: tokens per training sequence."""
+    `config` is then not used). `seq_len`: tokens per training sequence. `lora`: an adapter to train instead of the
+    weights (`model.lora.r=16`)."""
 
     name: str = "hf"
     config: dict[str, Any] = field(default_factory=dict)
     pretrained: str | None = None
     seq_len: int = 128
+    lora: LoraSettings = field(default_factory=LoraSettings)
 
     def __post_init__(self) -> None:
         _require(self.seq_len > 0, "model.seq_len", self.seq_len, "must be > 0")
@@ -216,7 +236,8 @@ class TrainerConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Checkpoints `step_00000N.ckpt` in `dir` every `every_n_steps` steps (null: only on SIGTERM), the `keep` newest.
+    """Checkpoints `step_00000N.ckpt` in `dir` every `every_n_steps` steps (null: only on SIGTERM), the `keep` newest;
+    with `hf`, an HF model written at the end in the run directory's `hf` (`hf-site-NAME` per DiLoCo site).
 
     `dir` is shared by every run with the same output_dir, so `resume=auto` finds the newest complete one; on several
     nodes it must be a directory every node mounts (checked at start).
@@ -226,6 +247,7 @@ class CheckpointConfig:
     every_n_steps: int | None = 10
     keep: int = 3
     grace_s: float | None = None  # seconds from SIGTERM to the kill, where SLURM's end time does not tell
+    hf: bool = True  # at the end, an HF model's trained weights (a LoRA adapter's alone) as an HF directory `hf`
 
     def __post_init__(self) -> None:
         grace = self.grace_s

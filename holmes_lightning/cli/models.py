@@ -12,6 +12,7 @@ models on the meta device, so that each rank allocates (or reads from the pretra
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +73,7 @@ def gpt(model: ModelConfig, cls: type[GPT] = GPT, **hyperparameters: Any) -> GPT
 
 def hf_causal_lm(model: HFModelConfig, **hyperparameters: Any) -> L.LightningModule:
     """`HFCausalLM` of the configured HF model, built on the current device (meta: the strategy fills each stage)."""
-    return _hf_module(model)(_hf_source(model), **hyperparameters)
+    return _hf_module(model)(_hf_source(model), peft_config=_lora_config(model), **hyperparameters)
 
 
 def flops_per_sample(module: L.LightningModule, profile: ModelProfile | None) -> float | None:
@@ -114,6 +115,20 @@ def _hf_source(model: HFModelConfig) -> Any:
         raise ConfigError(f"model.config: {reason}") from None
 
 
+def _lora_config(model: HFModelConfig) -> Any:
+    """peft's `LoraConfig` of `model.lora`, or None for r=0 (no adapter)."""
+    if model.lora.r == 0:
+        return None
+    try:
+        from peft import LoraConfig
+    except ImportError:
+        raise ConfigError(f"model.lora.r={model.lora.r}: an adapter needs peft: pip install peft") from None
+    try:
+        return LoraConfig(**asdict(model.lora))
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"model.lora: {error_line(error)}") from None
+
+
 def hf_profile(model: HFModelConfig, *, data_vocab: int | None = None, bytes_per_value: int = 4) -> ModelProfile:
     """Build the model on the meta device (nothing allocated, nothing read but configs and safetensors headers) and
     profile its pipeline layers on one sequence of `model.seq_len` tokens, in fp32 or (`bytes_per_value=2`) bf16;
@@ -123,7 +138,7 @@ def hf_profile(model: HFModelConfig, *, data_vocab: int | None = None, bytes_per
     where = f"model.pretrained={model.pretrained}" if model.pretrained is not None else f"model={model.name}"
     try:
         with torch.device("meta"):
-            module = hf_module(source)
+            module = hf_module(source, peft_config=_lora_config(model))
     except (OSError, ValueError) as error:  # no config.json or weights, a family that cannot be cut into layers
         raise ConfigError(f"{where}: {error_line(error)}") from None
     hf_config = module.hf_model.config

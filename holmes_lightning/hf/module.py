@@ -73,7 +73,7 @@ class HFCausalLM(L.LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore="source")
+        self.save_hyperparameters(ignore=["source", "peft_config"])  # objects loggers cannot write: pass them again
         self.pretrained: SafetensorsCheckpoint | None = None
         if isinstance(source, nn.Module):
             hf_model = source
