@@ -284,7 +284,8 @@ def train(
         default_root_dir=run_dir,
     )
     trainer.fit(model, datamodule=data, ckpt_path=config.resume)  # HolmesStrategy ends its process groups at exit
-    if isinstance(config.model, HFModelConfig) and config.checkpoint.hf:
+    finished = trainer.global_step >= opt.max_steps  # not stopped by a signal: resume=auto goes on from there
+    if isinstance(config.model, HFModelConfig) and config.checkpoint.hf and finished:
         export = os.path.join(run_dir, "hf" if site is None else f"hf-site-{site}")
         strategy.save_hf(export)
         if trainer.global_rank == 0:

@@ -245,12 +245,14 @@ def _check_adapter_initialisable(hf_model: nn.Module) -> None:
     """Of the adapters of a model whose weights are initialised here, only LoRA's, which `_init_adapters`
     initialises layer by layer, are accepted."""
     adapter = _adapter_name(hf_model)
-    kind = hf_model.peft_config[adapter].peft_type if adapter is not None else "LORA"
-    if str(getattr(kind, "value", kind)) != "LORA":
+    if adapter is None:
+        return
+    config = hf_model.peft_config[adapter]
+    if config.peft_type != "LORA":  # peft's PeftType, a str enum
         raise ValueError(
             f"HFCausalLM initialises the weights of a model built from a config, a directory or on the meta device "
-            f"layer by layer, and only LoRA adapters with them; this one is {kind}: build the base model on a real "
-            f"device (e.g. AutoModelForCausalLM.from_pretrained), then get_peft_model, then HFCausalLM"
+            f"layer by layer, and only LoRA adapters with them, not {type(config).__name__}: build the base model on "
+            f"a real device (e.g. AutoModelForCausalLM.from_pretrained), then get_peft_model, then HFCausalLM"
         )
 
 
