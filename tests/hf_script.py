@@ -5,11 +5,11 @@ directory).
 
 pp=2 x dp=2 (Lightning's launcher starts the 4 processes), dict batches from a DataLoader that splits its data with
 `DistributedSampler(**trainer.strategy.distributed_sampler_kwargs)`, no `example_input_array`. FAMILY+lora: that
-model with a DoRA adapter (peft) on its attention's query and value projections, the rest frozen. Rows are padded on
-the `PADDING` side ("right" or "left") with `labels=-100` there and at a few other places. Each rank writes
-OUT/rank<N>.json: its per-step losses, and the tied embedding's values where it holds a copy; then every rank saves
-the trained model with `trainer.strategy.save_hf(OUT/hf)`. With PRETRAINED_DIR the model is built on the meta device
-from that directory and each rank loads only its stage's layers.
+model with a DoRA adapter (peft) on its attention's query and value projections and a trained copy of its LM head,
+the rest frozen. Rows are padded on the `PADDING` side ("right" or "left") with `labels=-100` there and at a few
+other places. Each rank writes OUT/rank<N>.json: its per-step losses, and the tied embedding's values where it holds a
+copy; then every rank saves the trained model with `trainer.strategy.save_hf(OUT/hf)`. With PRETRAINED_DIR the model
+is built on the meta device from that directory and each rank loads only its stage's layers.
 """
 
 from __future__ import annotations
@@ -73,12 +73,15 @@ def config(family: str) -> tf.PretrainedConfig:
 
 
 def adapter(family: str) -> Any:
-    """For "FAMILY+lora", the adapter's peft config (LoRA's weight-decomposed variant, DoRA), else None."""
+    """For "FAMILY+lora", the adapter's peft config (LoRA's weight-decomposed variant, DoRA, and a trained copy of the
+    LM head, which peft saves whole), else None."""
     if not family.endswith("+lora"):
         return None
     from peft import LoraConfig
 
-    return LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, use_dora=True)
+    return LoraConfig(
+        r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, use_dora=True, modules_to_save=["lm_head"]
+    )
 
 
 class PaddedTokens(Dataset):

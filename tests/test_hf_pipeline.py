@@ -120,7 +120,7 @@ def test_a_lora_adapter_on_a_pretrained_model_trains_as_in_one_process_and_saves
     """Built on meta from a directory, each rank loading its stage's weights and making its stage's adapter, it
     starts at the pretrained model's loss (DoRA's magnitudes from the weights loaded, LoRA's B at zero) and trains
     as in one process; `save_hf` writes the adapter as peft does (before: the peft model's keys as a model's, which
-    `from_pretrained` filled at random)."""
+    `from_pretrained` filled at random; then, on the ranks without the LM head, a KeyError for its trained copy)."""
     from peft import PeftModel
 
     pretrained = every_case / "pretrained"

@@ -195,8 +195,13 @@ class HFCausalLM(L.LightningModule):
         if adapter is not None:
             from peft.utils import get_peft_model_state_dict
 
-            tensors = get_peft_model_state_dict(self.hf_model, state, adapter)
-            return {key: tensor.detach().to("cpu") for key, tensor in tensors.items()}
+            # peft asks every module it trains whole (`modules_to_save`) for its tensors: those of other parts are
+            # stood in for on the meta device, and left out of what it returns
+            elsewhere = {
+                names[0]: torch.empty(0, device="meta") for keys in self.layer_hf_keys for names in keys.values()
+            }
+            tensors = get_peft_model_state_dict(self.hf_model, {**elsewhere, **state}, adapter)
+            return {key: tensor.detach().to("cpu") for key, tensor in tensors.items() if not tensor.is_meta}
         name = write_part(directory, state, part=part, parts=parts)
         return {key: WrittenTensor(name, t.numel() * t.element_size(), str(t.dtype)) for key, t in state.items()}
 
