@@ -1,6 +1,7 @@
 """`python -m holmes_lightning.cli.plan`: the table, the picture, the JSON, and clear errors for bad settings."""
 
 import itertools
+import re
 import subprocess
 import sys
 
@@ -112,6 +113,15 @@ def test_an_hf_model_is_planned_from_its_config_in_the_training_dtype(capsys):
     fp32 = run(composed("cluster=two_cluster_mixed", "model=hf_llama", "plan.bytes_per_value=4", *shape))["holmes"]
     assert sum(bf16.layers_per_stage()) == sum(fp32.layers_per_stage()) == 8  # embedding, 6 decoder layers, head
     assert fp32.prediction.memory_gb == pytest.approx(2 * bf16.prediction.memory_gb, rel=0.3)
+
+
+def test_an_hf_model_with_a_lora_adapter_is_planned_with_its_share_of_trained_weights_shown(capsys):
+    pytest.importorskip("peft")
+    lora = run(composed("cluster=two_cluster_mixed", "model=hf_llama", "model.lora.r=4"))["holmes"]
+    assert re.search(r"GB of weights \(1\.\d\d% of them trained\)", capsys.readouterr().out)  # q and v, rank 4
+    whole = run(composed("cluster=two_cluster_mixed", "model=hf_llama"))["holmes"]
+    assert "of them trained" not in capsys.readouterr().out
+    assert lora.prediction.memory_gb < whole.prediction.memory_gb  # no gradients or AdamW states for the frozen
 
 
 def test_your_own_module_is_planned_by_the_strategy_not_the_cli():

@@ -32,9 +32,11 @@ def run(config: PlanJobConfig) -> dict:
     profile = model_profile(config.model, config.plan.bytes_per_value)
     strategy, knobs = config.strategy, config.plan
     print(topology)
+    trained = profile.trained_bytes / profile.param_bytes
+    trains = "" if trained == 1 else f" ({trained:.2%} of them trained)"
     print(
-        f"\nModel {profile.name}: {profile.num_layers} pipeline layers, {profile.param_bytes / 1e9:.2f} GB of weights, "
-        f"global batch {config.data.global_batch} x {profile.tokens_per_sample} tokens\n"
+        f"\nModel {profile.name}: {profile.num_layers} pipeline layers, {profile.param_bytes / 1e9:.2f} GB of weights"
+        f"{trains}, global batch {config.data.global_batch} x {profile.tokens_per_sample} tokens\n"
     )
     batch = BatchSettings(config.data.global_batch, strategy.microbatches)
     stats = SearchStats.reporting(lambda line: print(line, flush=True))
