@@ -36,7 +36,7 @@ CASES = [
     ("bloom", "1F1B", "left"),  # every stage builds ALiBi biases from the padding mask it is passed
 ]
 PRETRAINED = ("llama", "GPipe", "right")  # the same launch, built from a saved directory: each rank loads its stage
-LORA = ("llama+lora", "ZBVZeroBubble", "right")  # from the directory too: frozen weights, the ends without an adapter
+LORA = ("llama+lora", "ZBVZeroBubble", "right")  # from the directory too: frozen weights, a trained copy of the head
 ENV_SECONDS = {"HOLMES_CALIBRATION_SECONDS": "0.05", "OMP_NUM_THREADS": "1"}
 
 
