@@ -7,6 +7,7 @@ and `position_ids`. The loss is HF's causal-LM loss: labels shifted inside it, -
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -243,7 +244,9 @@ def _with_adapter(hf_model: nn.Module, peft_config: Any) -> nn.Module:
         from peft import get_peft_model
     except ImportError as missing:
         raise ImportError("HFCausalLM(peft_config=...) needs peft: pip install peft") from missing
-    return get_peft_model(hf_model, peft_config)
+    with warnings.catch_warnings():  # peft 0.22 reads an attribute transformers 5 deprecates; nothing the user can do
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        return get_peft_model(hf_model, peft_config)
 
 
 def _check_adapter_initialisable(hf_model: nn.Module) -> None:
