@@ -66,22 +66,6 @@ def test_default_job_trains_on_the_two_cluster_topology(tmp_path):
     assert any(row.get("val_loss") for row in rows) and any(row.get("train/device/items_per_sec") for row in rows)
 
 
-@pytest.mark.slow
-def test_under_torchrun_the_script_is_one_rank_and_logs_to_wandb_offline(tmp_path):
-    torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py")
-    out = run_train(
-        "cluster=single_node", "logger=wandb", "trainer.max_steps=6", f"output_dir={tmp_path}", command=torchrun
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "starting" not in out.stdout  # torchrun started the ranks; the script did not launch its own
-    assert DEPRECATION.findall(out.stdout + out.stderr) == []
-    steps, first, last, _, _ = summary_of(out)
-    assert steps == 6 and last < first
-    (run_dir,) = [p for p in tmp_path.iterdir() if p.name != "checkpoints"]  # one for the job, not one per rank
-    assert run_dir.name.startswith("torchrun-")
-    assert list(run_dir.glob("wandb/offline-run-*"))
-
-
 @needs_lab
 @pytest.mark.slow
 @pytest.mark.lab

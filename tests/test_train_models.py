@@ -1,7 +1,7 @@
 """train.py end to end beyond the GPT (each a multi-process run): the tiny random Llama of `model=hf_llama` across
-two_cluster_mixed, a LoRA adapter on a pretrained HF directory with its tokenizer on a local text file (each written
-out as an HF directory at the end), and a user's own LightningModule and LightningDataModule by `_target_`, with
-arguments added on the command line.
+two_cluster_mixed, a LoRA adapter on a pretrained HF directory with its tokenizer on a local text file under torchrun,
+logged to wandb offline (each model written out as an HF directory at the end), and a user's own LightningModule and
+LightningDataModule by `_target_`, with arguments added on the command line.
 """
 
 from __future__ import annotations
@@ -83,15 +83,19 @@ def test_hf_llama_from_its_config_trains_across_the_two_clusters(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_pretrained_directory_and_its_tokenizer_train_on_a_text_file(tmp_path):
-    """Its LM head is scaled up, so its first loss is far above a random model's: the weights were read. A LoRA
-    adapter (peft's default modules: query and value) trains on it, and is written as peft writes one."""
+def test_under_torchrun_a_lora_adapter_trains_on_a_pretrained_directory_and_logs_to_wandb_offline(tmp_path):
+    """torchrun starts the 2 ranks (the script launches none, and makes one run directory for the job, not one per
+    rank). The directory's LM head is scaled up, so its first loss is far above a random model's: the weights were
+    read. A LoRA adapter (peft's default modules: query and value) trains on them and its tokenizer's tokens of a
+    text file, and is written as peft writes one."""
     from peft import PeftModel
 
     vocabulary = pretrained_llama(tmp_path / "llama", head_scale=100.0)
     (tmp_path / "corpus.txt").write_text(TEXT * 100)
+    torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py")
     out = run_train(
         "cluster=single_node",
+        "logger=wandb",
         "model=hf_llama",
         f"model.pretrained={tmp_path / 'llama'}",
         "model.lora.r=4",
@@ -99,13 +103,17 @@ def test_a_pretrained_directory_and_its_tokenizer_train_on_a_text_file(tmp_path)
         "data.global_batch=8",
         "data.val_fraction=0.2",
         "trainer.max_steps=6",
-        f"output_dir={tmp_path}",
+        f"output_dir={tmp_path / 'runs'}",
+        command=torchrun,
     )
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "starting" not in out.stdout  # torchrun started the ranks; the script did not launch its own
+    assert DEPRECATION.findall(out.stdout + out.stderr) == []
     steps, first, last, _, _ = summary_of(out)
     assert steps == 6 and first > 2 * math.log(vocabulary) and last < first
-    (export,) = tmp_path.glob("*/hf")
-    tuned = PeftModel.from_pretrained(tf.AutoModelForCausalLM.from_pretrained(tmp_path / "llama"), export)
+    (run_dir,) = [p for p in (tmp_path / "runs").iterdir() if p.name != "checkpoints"]
+    assert run_dir.name.startswith("torchrun-") and list(run_dir.glob("wandb/offline-run-*"))
+    tuned = PeftModel.from_pretrained(tf.AutoModelForCausalLM.from_pretrained(tmp_path / "llama"), run_dir / "hf")
     adapters = {name: p for name, p in tuned.named_parameters() if "lora_B" in name}
     assert len(adapters) == 2 * 2 and all(p.any() for p in adapters.values())  # q and v of both layers, trained
 
