@@ -10,7 +10,6 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle, get_schedule_class
 
@@ -18,7 +17,7 @@ from holmes_lightning.measure.layer_io import Kept, buffer_values, restore_buffe
 from holmes_lightning.planner import Plan
 from holmes_lightning.planner.schedules import microbatch_problem
 from holmes_lightning.runtime.contract import Inputs, LossWeight
-from holmes_lightning.runtime.sharding import GradientSync
+from holmes_lightning.runtime.sharding import GradientSync, fsdp_modules
 from holmes_lightning.runtime.ties import TiedCopies
 
 T = TypeVar("T")
@@ -189,7 +188,7 @@ class Pipeline:
         self.dp_group = dp_group
         self.gradient_syncs = list(gradient_syncs)
         self.tied = tied
-        self.fsdp_modules = [m for chunk in self.chunks for m in chunk.modules() if isinstance(m, FSDPModule)]
+        self.fsdp_modules = [m for chunk in self.chunks for m in fsdp_modules(chunk)]
         self._schedules: OrderedDict[tuple[object, ...], BuiltSchedule] = OrderedDict()  # latest used last
         self.on_schedule_built: list[Callable[[BuiltSchedule], None]] = []  # called with each, before its first step
         self._weight_scale: torch.Tensor | None = None  # micro-batches x replicas / the global batch's weight

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from holmes_lightning.planner import Plan, Sharding
@@ -59,6 +59,11 @@ def parallelize(
         return None
     group = mesh.get_group()
     return lambda: average_gradients(root.parameters(), group)
+
+
+def fsdp_modules(module: nn.Module) -> list[FSDPModule]:
+    """The modules of `module` that FSDP2 shards or `replicate` replicates (each gathers and frees its weights)."""
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
 
 
 def _untied(layers: Sequence[nn.Module]) -> list[nn.Module]:

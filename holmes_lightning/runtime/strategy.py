@@ -82,7 +82,7 @@ from holmes_lightning.runtime.pipeline import HeldGradients, Pipeline, gather_re
 from holmes_lightning.runtime.placement import choose_device, describe_emulation, host_position
 from holmes_lightning.runtime.plan_reuse import PlanBasis
 from holmes_lightning.runtime.planning import JobPlace, PlanRequest, SampleReading, agree_on_plan
-from holmes_lightning.runtime.sharding import clip_grad_norm_
+from holmes_lightning.runtime.sharding import clip_grad_norm_, fsdp_modules
 from holmes_lightning.runtime.ties import Tie, across_stages, find_ties
 from holmes_lightning.topology import ClusterSpec, Topology
 
@@ -110,6 +110,16 @@ def _frozen_stage_shown_trainable(module: nn.Module) -> Iterator[None]:
     finally:
         for parameter in parameters if frozen else ():
             parameter.requires_grad_(False)
+
+
+@contextmanager
+def _resharded_after(module: nn.Module) -> Iterator[None]:
+    """Reshard FSDP2's modules after a forward that no backward follows, as the pipeline does after evaluating:
+    `replicate` leaves the root's parameters unsharded for the backward it expects, so callbacks that read them
+    before the next step (an EMA's swap after validation) would meet plain tensors beside the DTensors they copied."""
+    yield
+    for sharded in fsdp_modules(module):
+        sharded.reshard()
 
 
 class HolmesStrategy(ModelParallelStrategy):
@@ -565,7 +575,8 @@ class HolmesStrategy(ModelParallelStrategy):
         assert module is not None
         with self.precision_plugin.val_step_context():
             if self.pipeline is None:
-                return self._forward_redirection(module, module, step, *args, **kwargs)
+                with _resharded_after(module):
+                    return self._forward_redirection(module, module, step, *args, **kwargs)
             inputs, targets = split_batch(args[0])
             keep_outputs = step_hook(module, step) is not None
             result = self.pipeline.eval_step(inputs, targets, keep_outputs=keep_outputs)
@@ -576,7 +587,8 @@ class HolmesStrategy(ModelParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """Pipelined: the last stage's outputs for the batch's inputs; None on the other stages."""
         if self.pipeline is None:
-            return super().predict_step(*args, **kwargs)
+            with _resharded_after(self.lightning_module):
+                return super().predict_step(*args, **kwargs)
         with self.precision_plugin.predict_step_context():
             return self.pipeline.predict_step(prediction_inputs(args[0]))
 
