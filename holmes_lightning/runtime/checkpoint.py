@@ -347,12 +347,14 @@ def load(
     rank: int,
     strict: bool,
     extra: Mapping[str, Any] | None = None,
+    optional: Mapping[str, Callable[[], Any]] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Check every file against its digest (each rank a share), then load this rank's shards into `module`,
     `optimizers` and the tensors of `extra` (in place, as `save` wrote them). Every rank calls this.
 
-    Returns the rest of Lightning's checkpoint and this rank's saved random-number state (None when the checkpoint
-    came from a job of another size, whose rank numbers mean other stages).
+    Returns the rest of Lightning's checkpoint, with the states of `optional` (by the keys `save` wrote them under:
+    what makes their templates) that the checkpoint holds, loaded under those keys; and this rank's saved random-number
+    state (None when the checkpoint came from a job of another size, whose rank numbers mean other stages).
     """
     if not all((path / name).is_file() for name in (COMPLETE_FILE, PLAN_FILE, _METADATA_FILENAME)):
         raise CheckpointError(
@@ -373,6 +375,8 @@ def load(
     for i, (template, held) in enumerate(zip(templates, stored, strict=True)):
         state[f"optimizer_{i}"] = {name: value for name, value in template.items() if _held(name, held)}
     state.update(extra or {})
+    found = {name: template() for name, template in (optional or {}).items() if _saved(name, saved_keys)}
+    state.update(found)
     try:
         dcp.load(state, checkpoint_id=path)
     except CheckpointException as err:  # raised on every rank alike: DCP plans the load collectively
@@ -389,14 +393,18 @@ def load(
         _forget(module, optimizer, unsaved)
     rng = path / rng_file(rank)
     same_job = saved.world_size == plan.world_size and rng.is_file()
-    return torch.load(path / _METADATA_FILENAME, weights_only=False), torch.load(
-        rng, weights_only=False
-    ) if same_job else None
+    lightning_state = torch.load(path / _METADATA_FILENAME, weights_only=False) | {name: state[name] for name in found}
+    return lightning_state, torch.load(rng, weights_only=False) if same_job else None
 
 
 def _model_key(saved_keys: Collection[str]) -> str:
     """The DCP key a checkpoint of these keys keeps its weights under (`MODEL_KEY`, or an older one's)."""
-    return LEGACY_MODEL_KEY if any(name.startswith(f"{LEGACY_MODEL_KEY}.") for name in saved_keys) else MODEL_KEY
+    return LEGACY_MODEL_KEY if _saved(LEGACY_MODEL_KEY, saved_keys) else MODEL_KEY
+
+
+def _saved(key: str, saved_keys: Collection[str]) -> bool:
+    """Whether the checkpoint holds a state saved under `key`."""
+    return any(name.startswith(f"{key}.") for name in saved_keys)
 
 
 def _parameters_with_state(saved_keys: Collection[str], prefix: str) -> set[str]:

@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+import holmes_lightning.runtime.averaging as averaging
 import holmes_lightning.runtime.checkpoint as checkpoint
 import holmes_lightning.runtime.resume as resume
 from holmes_lightning.measure import calibration
@@ -468,6 +469,7 @@ class HolmesStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+            averaging.average_stage(trainer.callbacks, self.lightning_module)
             if self.site is not None and self.diloco is None:
                 self.diloco = self._start_diloco()
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # total norm over every stage
@@ -630,6 +632,7 @@ class HolmesStrategy(ModelParallelStrategy):
         if self.diloco is not None:
             self.diloco.flush()  # a streamed all-reduce in flight lands first, so the resume has nothing pending
         extra = {} if self.diloco is None else {"diloco": self.diloco.state_dict()}
+        extra |= averaging.sharded_states(checkpoint_)
         checkpoint.save(
             checkpoint_, path, plan=self._require_plan(), rank=self.global_rank, made_for=made_for, extra=extra
         )
@@ -640,6 +643,8 @@ class HolmesStrategy(ModelParallelStrategy):
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         strict = self.lightning_module.strict_loading
         extra = {} if self.diloco is None else {"diloco": self.diloco.state_dict()}
+        callbacks = self.lightning_module.trainer.callbacks
+        model_state = checkpoint.model_state(self.lightning_module)
         state, self._resumed_rng = checkpoint.load(
             path,
             self.lightning_module,
@@ -648,7 +653,9 @@ class HolmesStrategy(ModelParallelStrategy):
             rank=self.global_rank,
             strict=strict,
             extra=extra,
+            optional=averaging.templates(callbacks, model_state),
         )
+        averaging.restore(state, model_state)
         return state
 
     def remove_checkpoint(self, filepath: _PATH) -> None:
