@@ -98,6 +98,17 @@ def test_load_restores_weights_optimizer_and_random_state(tmp_path: Path) -> Non
     assert random.random() == expected_draw
 
 
+def test_a_param_group_setting_added_since_the_save_keeps_its_value(tmp_path: Path) -> None:
+    """Lightning's LR finder saves, adds a scheduler (which sets `initial_lr` in every param group), then loads."""
+    module, optimizer = trained()
+    path = save(tmp_path, 1, (module, optimizer))
+    optimizer.param_groups[0]["lr"] = 0.5
+    torch.optim.lr_scheduler.LinearLR(optimizer)
+    checkpoint.load(path, module, [optimizer], plan=one_rank_plan(), rank=0, strict=True)
+    assert optimizer.param_groups[0]["lr"] == 0.1  # the saved setting
+    assert optimizer.param_groups[0]["initial_lr"] == 0.5  # the one the checkpoint lacks
+
+
 class Classifier(L.LightningModule):
     """`trained()`'s network as a LightningModule, as a user's script defines it."""
 

@@ -373,7 +373,8 @@ def load(
     templates = [optimizer_state(module, optimizer) for optimizer in optimizers]
     stored = [_parameters_with_state(saved_keys, f"optimizer_{i}.") for i in range(len(optimizers))]
     for i, (template, held) in enumerate(zip(templates, stored, strict=True)):
-        state[f"optimizer_{i}"] = {name: value for name, value in template.items() if _held(name, held)}
+        saved_here = {name for name in template if f"optimizer_{i}.{name}" in saved_keys}
+        state[f"optimizer_{i}"] = {name: value for name, value in template.items() if _held(name, held, saved_here)}
     state.update(extra or {})
     found = {name: template() for name, template in (optional or {}).items() if _saved(name, saved_keys)}
     state.update(found)
@@ -389,7 +390,7 @@ def load(
     for i, optimizer in enumerate(optimizers):
         with _without_empty_groups(optimizer):
             set_optimizer_state_dict(module, optimizer, templates[i] | state[f"optimizer_{i}"], options=OPTIONS)
-        unsaved = {_owner(name) for name in templates[i] if not _held(name, stored[i])}
+        unsaved = {_owner(name) for name in templates[i] if name.startswith("state.") and _owner(name) not in stored[i]}
         _forget(module, optimizer, unsaved)
     rng = path / rng_file(rank)
     same_job = saved.world_size == plan.world_size and rng.is_file()
@@ -412,10 +413,12 @@ def _parameters_with_state(saved_keys: Collection[str], prefix: str) -> set[str]
     return {_owner(name.removeprefix(prefix)) for name in saved_keys if name.startswith(f"{prefix}state.")}
 
 
-def _held(template_key: str, stored: set[str]) -> bool:
-    """Whether the checkpoint holds this key of an optimizer's flattened state: param groups always, a parameter's
-    state where it was saved with one (not one frozen then, unfrozen since)."""
-    return not template_key.startswith("state.") or _owner(template_key) in stored
+def _held(template_key: str, stored: set[str], saved: set[str]) -> bool:
+    """Whether the checkpoint holds this key of an optimizer's flattened state (`saved`, if it holds it as such): a
+    parameter's state where it was saved with one (not one frozen then, unfrozen since; a state it lacks is the
+    error), a param group's setting where it was saved (not one a scheduler added since, as the LR finder's
+    `initial_lr`: it keeps its value)."""
+    return _owner(template_key) in stored if template_key.startswith("state.") else template_key in saved
 
 
 def _owner(template_key: str) -> str:
