@@ -8,6 +8,7 @@ stage keeps, and the errors for settings a pipeline cannot run.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 from unittest import mock
@@ -23,7 +24,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from holmes_lightning import HolmesStrategy
 from holmes_lightning.planner import Plan, StagePlan, StepPrediction
-from holmes_lightning.runtime.hooks import step_hook
+from holmes_lightning.recipes.gpt import GPT
+from holmes_lightning.runtime.hooks import _say_the_step_does_not_run, step_hook
 from holmes_lightning.runtime.pipeline import Pipeline
 from holmes_lightning.topology import LinkKind, NICKind
 
@@ -233,6 +235,25 @@ def test_the_last_stage_keeps_outputs_only_for_a_hook_that_takes_them() -> None:
     module = ValidationMetrics()
     assert step_hook(module, "training_step") is None and step_hook(module, "test_step") is None
     assert step_hook(module, "validation_step") == module.pipeline_validation_step
+
+
+def test_a_users_own_step_that_a_pipeline_replaces_is_named_once(caplog: pytest.LogCaptureFixture) -> None:
+    class Accuracy(TinyMLP):  # logs more than its loss from its own validation_step, without a pipeline hook
+        def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+            self.log("val_acc", (self(batch[0]).argmax(-1) == batch[1]).float().mean())
+
+    class Recipe(GPT):  # our own steps log only the loss
+        pass
+
+    with caplog.at_level(logging.INFO):
+        for module in (Accuracy(), Accuracy(), Recipe(n_layers=1, d_model=8, n_heads=1, seq_len=4, vocab_size=8)):
+            _say_the_step_does_not_run(module, "validation_step")
+    said = [record.getMessage() for record in caplog.records if "does not run" in record.getMessage()]
+    assert said == [
+        "HolmesStrategy: Accuracy.validation_step does not run under pipeline stages: the schedule computes the loss, "
+        "logged as 'val_loss'; to log anything else, define pipeline_validation_step(self, loss, outputs, targets, "
+        "batch_idx), which replaces that default"
+    ]
 
 
 def two_chunk_plan() -> Plan:

@@ -23,6 +23,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import WarningCache
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torchmetrics import Metric
 
 from holmes_lightning.runtime.pipeline import Pipeline, StepResult
@@ -35,6 +37,7 @@ STEP_HOOKS = {
 DEFAULT_LOSS_NAMES = {"training_step": "train_loss", "validation_step": "val_loss", "test_step": "test_loss"}
 
 LogCall = tuple[str, Any, tuple[Any, ...], dict[str, Any]]
+NOTICES = WarningCache()  # each said once per process
 
 
 def step_hook(module: pl.LightningModule, step: str) -> Callable[..., None] | None:
@@ -55,6 +58,7 @@ def report_step(
     """Log one pipelined step: through the module's hook for `step`, else its loss as train_loss/val_loss/test_loss."""
     hook = step_hook(module, step)
     if hook is None:
+        _say_the_step_does_not_run(module, step)
         evaluating = step != "training_step"
         module.log(DEFAULT_LOSS_NAMES[step], result.loss, prog_bar=True, sync_dist=evaluating, batch_size=len(targets))
         return
@@ -68,6 +72,19 @@ def report_step(
         calls = calls if pipeline.is_last else shared[0]
     for name, value, args, kwargs in calls:
         module.log(name, value.to(module.device) if torch.is_tensor(value) else value, *args, **kwargs)
+
+
+def _say_the_step_does_not_run(module: pl.LightningModule, step: str) -> None:
+    """Say once that the user's own `step` does not run, so what it logs besides the loss is not logged (a
+    `ModelCheckpoint` monitoring it would only say the name was never logged)."""
+    method = getattr(type(module), step, None)
+    if method is None or not is_overridden(step, module) or method.__module__.startswith("holmes_lightning."):
+        return
+    NOTICES.info(
+        f"HolmesStrategy: {type(module).__name__}.{step} does not run under pipeline stages: the schedule computes the "
+        f"loss, logged as {DEFAULT_LOSS_NAMES[step]!r}; to log anything else, define "
+        f"{STEP_HOOKS[step]}(self, loss, outputs, targets, batch_idx), which replaces that default"
+    )
 
 
 @contextmanager
