@@ -22,6 +22,8 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from holmes_lightning import HolmesStrategy
+from holmes_lightning.planner import PlanOptions
+from holmes_lightning.runtime.averaging import counted
 
 GLOBAL_BATCH = 16
 SEED = 5
@@ -163,3 +165,13 @@ def test_an_averaging_callback_averages_the_stages_and_resumes_as_one_process(
         for rank in ranks:
             assert rank[run]["val_loss"] == pytest.approx(expected["val_loss"], rel=1e-4), run
     assert one_resumed["val_loss"] == pytest.approx(one["val_loss"], rel=1e-6)  # the average came back whole
+
+
+def test_the_plan_counts_an_average_kept_on_the_training_device() -> None:
+    options, gpu = PlanOptions(), torch.device("cuda", 1)
+    assert counted(options, [ModelCheckpoint()], gpu) == options
+    assert counted(options, [EMAWeightAveraging(), ModelCheckpoint()], gpu).state_multiplier == 5.0  # AdamW's 4 + 1
+    assert counted(options, [EMAWeightAveraging(device="cuda")], gpu).state_multiplier == 5.0
+    assert counted(options, [EMAWeightAveraging(device="cpu")], gpu) == options  # in host memory
+    assert counted(options, [StochasticWeightAveraging(swa_lrs=0.01)], gpu) == options  # SWA keeps it on the CPU
+    assert counted(options, [StochasticWeightAveraging(swa_lrs=0.01, device=None)], gpu).state_multiplier == 5.0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from copy import deepcopy
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -22,8 +23,22 @@ from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging, Wei
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
+from holmes_lightning.planner import PlanOptions
+
+AVERAGE_STATE = 1.0  # an averaged copy of the weights, per parameter byte
 CURRENT_KEY = "current_model_state"  # WeightAveraging's: the trained weights, while "state_dict" holds the average
 SWA_STATE = "average_model_state"  # StochasticWeightAveraging's average, in its callback state
+
+
+def counted(options: PlanOptions, callbacks: Sequence[Callback], device: torch.device) -> PlanOptions:
+    """The plan options with the averaged copies that the callbacks keep on `device` (the training device) counted in
+    each rank's memory, per parameter byte as its optimizer states are (not the frozen weights' copies)."""
+    copies = sum(
+        isinstance(callback, WeightAveraging | StochasticWeightAveraging)
+        and torch.device(callback._device or device).type == device.type
+        for callback in callbacks
+    )
+    return replace(options, state_multiplier=options.state_multiplier + copies * AVERAGE_STATE) if copies else options
 
 
 def average_stage(callbacks: Sequence[Callback], module: pl.LightningModule) -> None:

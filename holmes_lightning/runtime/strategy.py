@@ -398,7 +398,7 @@ class HolmesStrategy(ModelParallelStrategy):
         if self.plan_mesh is None:
             assert self.topology is not None and isinstance(self.cluster_environment, NICGroupingEnvironment)
             request = PlanRequest(
-                options=self.options,
+                options=averaging.counted(self.options, trainer.callbacks, self.root_device),
                 batch=self.batch,
                 costs=self.costs,
                 calibrate=self.calibrate,
