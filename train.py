@@ -220,6 +220,7 @@ def make_strategy(config: TrainConfig, topology: Topology, timeout_s: float) -> 
         min_nodes=config.elastic.min_nodes,
         cross_site=settings.cross_site,
         diloco=config.diloco.settings(),
+        checkpoint_frozen=not (isinstance(config.model, HFModelConfig) and config.model.base_read_at_start),
     )
 
 

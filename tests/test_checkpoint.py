@@ -17,13 +17,14 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from distributed import run_ranks
 from torch import nn
 
 from holmes_lightning import planner
 from holmes_lightning.cli.config import ModelConfig
 from holmes_lightning.planner import BatchSettings, ModelProfile, Plan
-from holmes_lightning.runtime import checkpoint
+from holmes_lightning.runtime import checkpoint, frozen
 from holmes_lightning.runtime.checkpoint import CheckpointError
 from holmes_lightning.runtime.preemption import HolmesCheckpoint
 from holmes_lightning.topology import Topology
@@ -107,6 +108,38 @@ def test_a_param_group_setting_added_since_the_save_keeps_its_value(tmp_path: Pa
     checkpoint.load(path, module, [optimizer], plan=one_rank_plan(), rank=0, strict=True)
     assert optimizer.param_groups[0]["lr"] == 0.1  # the saved setting
     assert optimizer.param_groups[0]["initial_lr"] == 0.5  # the one the checkpoint lacks
+
+
+def fine_tuned(base_seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """`trained()`'s network with its first layer frozen at weights drawn from `base_seed` (a pretrained base)."""
+    torch.manual_seed(base_seed)
+    base = nn.Linear(4, 16).requires_grad_(False)
+    torch.manual_seed(0)
+    module = nn.Sequential(base, nn.Tanh(), nn.Linear(16, 2))
+    optimizer = torch.optim.AdamW(module[2].parameters(), lr=0.1)
+    module(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    return module, optimizer
+
+
+def test_a_checkpoint_without_the_frozen_weights_resumes_on_the_same_ones_only(tmp_path: Path) -> None:
+    module, optimizer = fine_tuned(base_seed=1)
+    trained, left_out = frozen.split(checkpoint.model_state(module), module)
+    state = {"state_dict": trained, "optimizer_states": [checkpoint.optimizer_state(module, optimizer)]}
+    path = tmp_path / "step_000001.ckpt"
+    checkpoint.save(state, path, plan=one_rank_plan(), rank=0, left_out=left_out)
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    assert sorted(k for k in saved if k.startswith("model.")) == ["model.2.bias", "model.2.weight"]
+
+    same_base, same_optimizer = fine_tuned(base_seed=1)
+    same_base[2].reset_parameters()
+    meta, _ = checkpoint.load(path, same_base, [same_optimizer], plan=one_rank_plan(), rank=0, strict=True)
+    assert all(torch.equal(a, b) for a, b in zip(module.parameters(), same_base.parameters(), strict=True))
+    assert frozen.FINGERPRINT_KEY not in meta  # Lightning gets its own part only
+
+    other_base, other_optimizer = fine_tuned(base_seed=2)
+    with pytest.raises(CheckpointError, match=r"holds no frozen weights.*2 differ, e.g. '0.bias'.*same pretrained"):
+        checkpoint.load(path, other_base, [other_optimizer], plan=one_rank_plan(), rank=0, strict=True)
 
 
 class Classifier(L.LightningModule):

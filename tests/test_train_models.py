@@ -87,7 +87,8 @@ def test_under_torchrun_a_lora_adapter_trains_on_a_pretrained_directory_and_logs
     """torchrun starts the 2 ranks (the script launches none, and makes one run directory for the job, not one per
     rank). The directory's LM head is scaled up, so its first loss is far above a random model's: the weights were
     read. A LoRA adapter (peft's default modules: query and value) trains on them and its tokenizer's tokens of a
-    text file, and is written as peft writes one."""
+    text file, and is written as peft writes one. Its checkpoints hold the adapter, not the base it reads at start."""
+    import torch.distributed.checkpoint as dcp
     from peft import PeftModel
 
     vocabulary = pretrained_llama(tmp_path / "llama", head_scale=100.0)
@@ -103,6 +104,7 @@ def test_under_torchrun_a_lora_adapter_trains_on_a_pretrained_directory_and_logs
         "data.global_batch=8",
         "data.val_fraction=0.2",
         "trainer.max_steps=6",
+        "checkpoint.every_n_steps=3",
         f"output_dir={tmp_path / 'runs'}",
         command=torchrun,
     )
@@ -116,6 +118,9 @@ def test_under_torchrun_a_lora_adapter_trains_on_a_pretrained_directory_and_logs
     tuned = PeftModel.from_pretrained(tf.AutoModelForCausalLM.from_pretrained(tmp_path / "llama"), run_dir / "hf")
     adapters = {name: p for name, p in tuned.named_parameters() if "lora_B" in name}
     assert len(adapters) == 2 * 2 and all(p.any() for p in adapters.values())  # q and v of both layers, trained
+    saved = dcp.FileSystemReader(tmp_path / "runs/checkpoints/step_000006.ckpt").read_metadata().state_dict_metadata
+    weights = [name for name in saved if name.startswith("model.")]
+    assert len(weights) == 2 * 2 * 2 and all(".lora_" in name for name in weights)  # A and B of q and v, 2 layers
 
 
 @pytest.mark.slow

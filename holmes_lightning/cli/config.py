@@ -99,6 +99,11 @@ class HFModelConfig:
     seq_len: int = 128
     lora: LoraSettings = field(default_factory=LoraSettings)
 
+    @property
+    def base_read_at_start(self) -> bool:
+        """Whether the weights that do not train are those of `pretrained`, read at every start: a LoRA adapter's."""
+        return self.pretrained is not None and self.lora.r > 0
+
     def __post_init__(self) -> None:
         _require(self.seq_len > 0, "model.seq_len", self.seq_len, "must be > 0")
         fix = "write an HF config (model_type: llama, hidden_size: ..., ...) or give model.pretrained=DIR"

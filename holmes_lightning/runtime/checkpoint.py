@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from holmes_lightning.planner import Plan
+from holmes_lightning.runtime import frozen
 
 PLAN_FILE = "plan.json"
 MADE_FOR = "made_for"  # plan.json's key for what the plan was made for; Plan.from_json ignores it
@@ -80,11 +81,14 @@ def save(
     rank: int,
     made_for: Mapping[str, Any] | None = None,
     extra: Mapping[str, Any] | None = None,
+    left_out: Mapping[str, Any] | None = None,
 ) -> None:
     """Write into a hidden staging directory next to `path`, then rename it to `path` (every rank calls this).
 
     `made_for`: what `plan` was made for (`stored_plan.PlanBasis.to_dict()`), written into plan.json beside it.
-    `extra`: more state sharded as the model is (DiLoCo's outer parameters), written by DCP beside it."""
+    `extra`: more state sharded as the model is (DiLoCo's outer parameters), written by DCP beside it.
+    `left_out`: this rank's frozen weights that `checkpoint` lacks (None: it lacks none), recorded by their fingerprint
+    (`frozen`), against which a resume checks the weights it built."""
     staging = _hidden(path, "partial")
     if rank == 0:
         for stale in path.parent.glob(".*.partial"):  # left by a save that crashed; one job writes a directory
@@ -92,6 +96,8 @@ def save(
         staging.mkdir(parents=True)
     _barrier()
     torch.save(_collect_rng_states(), staging / rng_file(rank))
+    if left_out is not None:
+        checkpoint[frozen.FINGERPRINT_KEY] = frozen.fingerprint(left_out, left_out.keys(), _gather)
     state = {MODEL_KEY: checkpoint.pop("state_dict")}
     state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
     state.update(extra or {})
@@ -369,7 +375,10 @@ def load(
     check_resumable(saved, plan, path)
     saved_keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata.keys()
     key = _model_key(saved_keys)
-    state: dict[str, Any] = {key: model_state(module)}
+    lightning_state = torch.load(path / _METADATA_FILENAME, weights_only=False)
+    left_out = lightning_state.pop(frozen.FINGERPRINT_KEY, {})  # frozen weights the checkpoint lacks: built already
+    weights = model_state(module)
+    state: dict[str, Any] = {key: {name: value for name, value in weights.items() if name not in left_out}}
     templates = [optimizer_state(module, optimizer) for optimizer in optimizers]
     stored = [_parameters_with_state(saved_keys, f"optimizer_{i}.") for i in range(len(optimizers))]
     for i, (template, held) in enumerate(zip(templates, stored, strict=True)):
@@ -386,7 +395,9 @@ def load(
             f"checkpoint {str(path)!r} does not fit this model ({cause}); resume with the model and optimizer it "
             f"was saved from, or start without resume"
         ) from err
-    set_model_state_dict(module, state[key], options=StateDictOptions(strict=strict))
+    set_model_state_dict(module, state[key], options=StateDictOptions(strict=strict and not left_out))
+    if left_out:
+        _check_frozen(path, left_out, {name: weights[name] for name in left_out.keys() & weights.keys()})
     for i, optimizer in enumerate(optimizers):
         with _without_empty_groups(optimizer):
             set_optimizer_state_dict(module, optimizer, templates[i] | state[f"optimizer_{i}"], options=OPTIONS)
@@ -394,8 +405,19 @@ def load(
         _forget(module, optimizer, unsaved)
     rng = path / rng_file(rank)
     same_job = saved.world_size == plan.world_size and rng.is_file()
-    lightning_state = torch.load(path / _METADATA_FILENAME, weights_only=False) | {name: state[name] for name in found}
+    lightning_state |= {name: state[name] for name in found}
     return lightning_state, torch.load(rng, weights_only=False) if same_job else None
+
+
+def _check_frozen(path: Path, saved: frozen.Fingerprint, weights: Mapping[str, Any]) -> None:
+    """Refuse to resume on frozen weights (this rank's: `weights`) other than those the checkpoint left out."""
+    differing = frozen.differing(saved, frozen.fingerprint(weights, weights.keys(), _gather))
+    if differing:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} holds no frozen weights: it was trained on ones this model does not have "
+            f"({len(differing)} differ, e.g. {differing[0]!r}); build the model from the same pretrained weights and "
+            f"dtype as the run that saved it"
+        )
 
 
 def _model_key(saved_keys: Collection[str]) -> str:

@@ -44,6 +44,7 @@ from typing_extensions import override
 
 import holmes_lightning.runtime.averaging as averaging
 import holmes_lightning.runtime.checkpoint as checkpoint
+import holmes_lightning.runtime.frozen as frozen
 import holmes_lightning.runtime.resume as resume
 from holmes_lightning.measure import calibration
 from holmes_lightning.measure.calibration import Calibration
@@ -170,6 +171,10 @@ class HolmesStrategy(ModelParallelStrategy):
             SGD, `runtime.diloco`) or "auto": DiLoCo where the launcher started the sites so (train.py does when
             `diloco.allowed=true` and DiLoCo is predicted faster), else one pipeline.
         diloco: DiLoCo's settings (`holmes_lightning.planner.sites.DiLoCoSettings`); default: the DiLoCo paper's.
+        checkpoint_frozen: False: checkpoints leave out the weights that do not train (a LoRA fine-tune's base model),
+            which a resume takes from the model as it built it; a resume whose frozen weights differ from the saved
+            run's is refused (`runtime.frozen`). Only for models that build the same frozen weights at every start
+            (from a pretrained directory); such checkpoints consolidate without them.
     """
 
     strategy_name = "holmes"
@@ -199,6 +204,7 @@ class HolmesStrategy(ModelParallelStrategy):
         min_nodes: int | None = None,
         cross_site: CrossSite | str = CrossSite.pipeline,
         diloco: DiLoCoSettings | None = None,
+        checkpoint_frozen: bool = True,
     ) -> None:
         given = {"schedule": schedule, "partition": partition, "pp": pp, "dp": dp, "sharding": sharding}
         given.update(layout=layout, activation_checkpointing=activation_checkpointing)
@@ -228,6 +234,7 @@ class HolmesStrategy(ModelParallelStrategy):
         self.profile = profile
         self.calibrate = calibrate
         self.fsdp_on_one_rank = fsdp_on_one_rank
+        self.checkpoint_frozen = checkpoint_frozen
         self.replan = replan
         self.min_nodes = min_nodes
         self.costs = costs or MachineCosts()
@@ -616,7 +623,8 @@ class HolmesStrategy(ModelParallelStrategy):
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
-        return checkpoint.model_state(self.lightning_module)
+        state = checkpoint.model_state(self.lightning_module)
+        return state if self.checkpoint_frozen else frozen.split(state, self.lightning_module)[0]
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.lightning_module is not None
@@ -633,8 +641,18 @@ class HolmesStrategy(ModelParallelStrategy):
             self.diloco.flush()  # a streamed all-reduce in flight lands first, so the resume has nothing pending
         extra = {} if self.diloco is None else {"diloco": self.diloco.state_dict()}
         extra |= averaging.sharded_states(checkpoint_)
+        left_out = None
+        if not self.checkpoint_frozen:
+            assert self.lightning_module is not None
+            left_out = frozen.split(checkpoint.model_state(self.lightning_module), self.lightning_module)[1]
         checkpoint.save(
-            checkpoint_, path, plan=self._require_plan(), rank=self.global_rank, made_for=made_for, extra=extra
+            checkpoint_,
+            path,
+            plan=self._require_plan(),
+            rank=self.global_rank,
+            made_for=made_for,
+            extra=extra,
+            left_out=left_out,
         )
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
