@@ -102,6 +102,25 @@ def test_every_site_starts_from_the_first_sites_weights_and_takes_nesterov_steps
         assert torch.equal(second["after"][name], first["after"][name])
 
 
+def test_frozen_weights_start_from_the_first_sites_and_are_neither_kept_nor_synced():
+    settings = DiLoCoSettings(sync_every=1, streaming=False)
+
+    def work(site: int, group: dist.ProcessGroupGloo) -> dict[str, Any]:
+        net = model(site)
+        net[0].requires_grad_(False)  # a frozen base under a trained head
+        diloco = DiLoCo(net.named_parameters(), group, settings, site_label=str(site))
+        start = net[0].weight.detach().clone()
+        with torch.no_grad():
+            net[1].weight.sub_(0.1 * (site + 1))
+        diloco.after_inner_step(1)
+        return {"start": start, "kept": sorted(diloco.state_dict()["outer"]), "frozen": net[0].weight.detach().clone()}
+
+    first, second = as_sites(2, work)
+    assert torch.equal(second["start"], first["start"])  # broadcast from site 0, frozen or not
+    assert first["kept"] == second["kept"] == ["1.bias", "1.weight"]  # outer copies of what trains only
+    assert torch.equal(first["frozen"], first["start"]) and torch.equal(second["frozen"], first["start"])
+
+
 def test_a_streamed_fragment_lands_after_its_overlap_steps_keeping_the_progress_made_meanwhile():
     settings = DiLoCoSettings(sync_every=4, fragments=2, overlap_steps=1)
 

@@ -50,7 +50,7 @@ def run(config: PlanJobConfig) -> dict:
     print(format_comparison(plans))
     if len(topology.spec.clusters) > 1:
         settings = config.diloco.settings()
-        parameters = profile.param_bytes / knobs.bytes_per_value
+        parameters = profile.trained_bytes / knobs.bytes_per_value
         found, problems = compare_cross_site(
             topology,
             profile,

@@ -79,7 +79,7 @@ def _auto_choice(
             profile,
             batch,
             grouping,
-            parameters=profile.param_bytes / PROFILE_BYTES_PER_VALUE,
+            parameters=profile.trained_bytes / PROFILE_BYTES_PER_VALUE,
             settings=config.diloco.settings(),
             options=site_options(options),
             costs=costs,

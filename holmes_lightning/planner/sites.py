@@ -211,7 +211,8 @@ def predict_diloco(
     costs: MachineCosts | None = None,
 ) -> DiLoCoPrediction:
     """DiLoCo over `grouping`: each site planned by Holmes on its machines and batch share; `parameters`: how many
-    values the model holds (what each outer step all-reduces). Raises PlanError naming a site that cannot plan."""
+    values of the model train (what each outer step all-reduces: frozen ones never change). Raises PlanError naming a
+    site that cannot plan."""
     options = options or PlanOptions()
     batches = site_batches(topology, grouping, batch.global_batch)
     plans = []

@@ -181,7 +181,8 @@ class _Sync:
 
 class DiLoCo:
     """The outer parameters and optimizer of this rank's parameters (`named`: its stage's, as the inner optimizer
-    holds them), synchronised with the same rank of every other site over `group`.
+    holds them), synchronised with the same rank of every other site over `group`. Every site starts from the first
+    site's parameters, frozen ones too; only those that train have outer copies and syncs.
 
     `replicas`: the site's ranks that hold the same parameters as this one (its stage's DP group when the stage keeps
     full replicas): each then sends its share of them over the WAN, and they gather the sums over their own links.
@@ -205,6 +206,8 @@ class DiLoCo:
         self.replicas = replicas if replicas is not None and dist.get_world_size(replicas) > 1 else None
         check_alike(self.names, self.params, group, site_label)
         self._broadcast_from_first_site()
+        trained = [i for i, param in enumerate(self.params) if param.requires_grad]  # the frozen ones never change
+        self.names, self.params = [self.names[i] for i in trained], [self.params[i] for i in trained]
         with torch.no_grad():
             self.outer = [param.detach().clone() for param in self.params]
         self.optimizer = SGD(self.outer, lr=settings.outer_lr, momentum=settings.outer_momentum, nesterov=True)
