@@ -436,10 +436,10 @@ def _parameters_with_state(saved_keys: Collection[str], prefix: str) -> set[str]
 
 
 def _held(template_key: str, stored: set[str], saved: set[str]) -> bool:
-    """Whether the checkpoint holds this key of an optimizer's flattened state (`saved`, if it holds it as such): a
-    parameter's state where it was saved with one (not one frozen then, unfrozen since; a state it lacks is the
-    error), a param group's setting where it was saved (not one a scheduler added since, as the LR finder's
-    `initial_lr`: it keeps its value)."""
+    """Whether the checkpoint holds this key of an optimizer's flattened state (`saved`: the template's keys it holds
+    as such): a parameter's state where it was saved with one (not one frozen then, unfrozen since), a param group's
+    setting where it was saved (not one a scheduler added since, as the LR finder's `initial_lr`, which keeps its
+    value)."""
     return _owner(template_key) in stored if template_key.startswith("state.") else template_key in saved
 
 
