@@ -1,7 +1,8 @@
 """The LightningModule's own metrics, evaluation and prediction under pipelining (pp=2 x dp=2, 4 gloo processes).
 
 A model that logs its own metric names (loss and accuracy) from its steps in one process, and from its pipeline hooks
-under HolmesStrategy, must log the same values; `trainer.validate`, `test` and `predict` after `fit`, and on a fresh
+under HolmesStrategy, and its gradient norms from `on_before_optimizer_step` (each stage's there), must log the same
+values; `trainer.validate`, `test` and `predict` after `fit`, and on a fresh
 Trainer and model, must match one process. One launch runs all of it. Also here, in this process: what the last
 stage keeps, and the errors for settings a pipeline cannot run.
 """
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 from distributed import TinyMLP, run_ranks, tiny_dataset, tiny_loader
 from lightning.pytorch.plugins import MixedPrecision
+from lightning.pytorch.utilities import grad_norm
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -65,6 +67,9 @@ class MetricMLP(TinyMLP):
 
     def predict_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self(batch[0])
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.log_dict(grad_norm(self, norm_type=2))  # each stage's parameters' norms, and their total
 
     def pipeline_training_step(self, loss: torch.Tensor, outputs: torch.Tensor, targets: torch.Tensor, _: int) -> None:
         self.hook_calls += 1
