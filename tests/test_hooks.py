@@ -2,9 +2,9 @@
 
 A model that logs its own metric names (loss and accuracy) from its steps in one process, and from its pipeline hooks
 under HolmesStrategy, and its gradient norms from `on_before_optimizer_step` (each stage's there), must log the same
-values; `trainer.validate`, `test` and `predict` after `fit`, and on a fresh
-Trainer and model, must match one process. One launch runs all of it. Also here, in this process: what the last
-stage keeps, and the errors for settings a pipeline cannot run.
+values; `trainer.validate`, `test` and `predict` after `fit`, and on a fresh Trainer and model, must match one
+process. One launch runs all of it. Also here, in this process: what the last stage keeps, and the errors for
+settings a pipeline cannot run.
 """
 
 from __future__ import annotations
