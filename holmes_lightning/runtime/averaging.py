@@ -19,11 +19,16 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
 from holmes_lightning.planner import PlanOptions
+
+try:
+    from lightning.pytorch.callbacks import WeightAveraging
+except ImportError:  # Lightning < 2.6: no WeightAveraging (and EMAWeightAveraging) to look after
+    WeightAveraging = ()  # type: ignore[assignment,misc]  # isinstance(x, ()) is False
 
 AVERAGE_STATE = 1.0  # an averaged copy of the weights, per parameter byte
 CURRENT_KEY = "current_model_state"  # WeightAveraging's: the trained weights, while "state_dict" holds the average
@@ -34,7 +39,7 @@ def counted(options: PlanOptions, callbacks: Sequence[Callback], device: torch.d
     """The plan options with the averaged copies that the callbacks keep on `device` (the training device) counted in
     each rank's memory, per parameter byte as its optimizer states are (not the frozen weights' copies)."""
     copies = sum(
-        isinstance(callback, WeightAveraging | StochasticWeightAveraging)
+        isinstance(callback, (WeightAveraging, StochasticWeightAveraging))
         and torch.device(callback._device or device).type == device.type
         for callback in callbacks
     )
