@@ -44,8 +44,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+import holmes_lightning.runtime.frozen as frozen
 from holmes_lightning.planner import Plan
-from holmes_lightning.runtime import frozen
 
 PLAN_FILE = "plan.json"
 MADE_FOR = "made_for"  # plan.json's key for what the plan was made for; Plan.from_json ignores it
