@@ -66,7 +66,6 @@ def report_step(
     """Log one pipelined step: through the module's hook for `step`, else its loss as train_loss/val_loss/test_loss."""
     hook = step_hook(module, step)
     if hook is None:
-        _say_the_step_does_not_run(module, step)
         evaluating = step != "training_step"
         module.log(DEFAULT_LOSS_NAMES[step], result.loss, prog_bar=True, sync_dist=evaluating, batch_size=len(targets))
         return
@@ -80,6 +79,13 @@ def report_step(
         calls = calls if pipeline.is_last else shared[0]
     for name, value, args, kwargs in calls:
         module.log(name, value.to(module.device) if torch.is_tensor(value) else value, *args, **kwargs)
+
+
+def say_the_steps_that_do_not_run(module: pl.LightningModule) -> None:
+    """Once the pipeline is built: name the user's own steps it replaces that have no hook to log more than the loss."""
+    for step in STEP_HOOKS:
+        if step_hook(module, step) is None:
+            _say_the_step_does_not_run(module, step)
 
 
 def _say_the_step_does_not_run(module: pl.LightningModule, step: str) -> None:

@@ -79,7 +79,7 @@ from holmes_lightning.runtime.diloco import DiLoCo, Site, SiteLaunch, runs_per_s
 from holmes_lightning.runtime.environment import NICGroupingEnvironment, cluster_source
 from holmes_lightning.runtime.export import save_pretrained
 from holmes_lightning.runtime.groups import PlanMesh, build_mesh, nccl_world
-from holmes_lightning.runtime.hooks import log_every_stage, report_step, step_hook
+from holmes_lightning.runtime.hooks import log_every_stage, report_step, say_the_steps_that_do_not_run, step_hook
 from holmes_lightning.runtime.pipeline import HeldGradients, Pipeline, gather_replica_outputs
 from holmes_lightning.runtime.placement import choose_device, describe_emulation, host_position
 from holmes_lightning.runtime.plan_reuse import PlanBasis
@@ -540,6 +540,7 @@ class HolmesStrategy(ModelParallelStrategy):
         self._gradients = HeldGradients(module.parameters())
         if self.pipeline is not None:
             log_every_stage(module, self.pipeline)
+            say_the_steps_that_do_not_run(module)
         self._prepared = module
 
     @override
